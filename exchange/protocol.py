@@ -1,0 +1,185 @@
+"""SEE wire protocol: every message the system sends, one msgspec Struct each.
+
+This module is the spec. Rules that hold for every message:
+
+- Structs are tagged (``tag`` = short name), array-like on the wire, and the first
+  field is ``schema``: a reader refuses a message whose schema is newer than
+  ``SCHEMA_VERSION`` with a clear error (see ``exchange.codec``).
+- Token ids travel as little-endian int32 bytes, log-probs as little-endian float32
+  bytes (``pack_ids`` / ``pack_floats``); a list of Python floats costs ~5x more to
+  encode and decode. Alignment rule: ``behaviour_logprobs`` has exactly as many
+  entries as ``completion_ids``.
+- Topics: experience of model ``m`` travels on topic ``exp.<m>``; see ``topic_for``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Union
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+IDS_DTYPE = np.dtype("<i4")
+FLOAT_DTYPE = np.dtype("<f4")
+
+
+def pack_ids(ids) -> bytes:
+    """Token ids (any int sequence or array) -> int32 LE bytes."""
+    return np.ascontiguousarray(ids, dtype=IDS_DTYPE).tobytes()
+
+
+def pack_floats(values) -> bytes:
+    """Floats (any sequence or array) -> float32 LE bytes."""
+    return np.ascontiguousarray(values, dtype=FLOAT_DTYPE).tobytes()
+
+
+def unpack_ids(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=IDS_DTYPE)
+
+
+def unpack_floats(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=FLOAT_DTYPE)
+
+
+class _Message(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=False):
+    """Base of all wire messages (not sent itself)."""
+
+
+# generator -> broker -> learners (own and peers), monitors, experience log
+class Experience(_Message, tag="exp"):
+    """One sampled completion for one prompt, with its behaviour trace and reward."""
+
+    schema: int
+    run_id: str
+    experience_id: str  # unique in a run: "<model>/<prompt_id>/<sample_index>/<generator>"
+    model: str  # the generating model's name (also the topic suffix)
+    task: str
+    prompt_id: int  # global prompt id: the same id means the same prompt for every model
+    sample_index: int  # 0 .. group_size-1 within this model's group for the prompt
+    group_size: int  # G: how many samples this model draws for the prompt
+    weight_version: int  # version of the weights that generated it
+    prompt_ids: bytes  # int32 LE, the generator's own tokenizer and template
+    completion_ids: bytes  # int32 LE, the generator's own tokenizer
+    behaviour_logprobs: bytes  # float32 LE, one per completion token (alignment rule)
+    completion_text: str
+    reward: float
+    verified: bool  # the task's verifier accepted the completion
+    finish_reason: Literal["stop", "length"]
+    created_at: float  # unix seconds, when the prompt batch reached the generator
+    generated_at: float  # unix seconds, when sampling finished
+
+    @property
+    def completion_array(self) -> np.ndarray:
+        return unpack_ids(self.completion_ids)
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        return unpack_ids(self.prompt_ids)
+
+    @property
+    def logprob_array(self) -> np.ndarray:
+        return unpack_floats(self.behaviour_logprobs)
+
+
+class Problem(msgspec.Struct, array_like=True, gc=False):
+    """A task instance: the prompt text every model formats with its own template."""
+
+    prompt_id: int
+    task: str
+    question: str
+    answer: str  # what the task's verifier checks against (a number, a target spec, ...)
+
+
+# scheduler -> generators of one model
+class PromptBatch(_Message, tag="prompts"):
+    """Prompts for a generator to sample ``group_size`` completions each."""
+
+    schema: int
+    run_id: str
+    batch_id: int
+    model: str
+    group_size: int
+    problems: list[Problem]
+
+
+# any worker -> controller, monitors
+class Stats(_Message, tag="stats"):
+    """Throughput and queue figures a worker reports once per window."""
+
+    schema: int
+    worker_id: str
+    role: Literal["generator", "learner", "broker", "idle"]
+    model: str
+    time: float
+    window_s: float
+    samples_per_s: float = 0.0  # generator: completions produced
+    tokens_per_s: float = 0.0  # generator: completion tokens produced
+    consumed_per_s: float = 0.0  # learner: experiences consumed by the optimizer
+    queue_depth: int = 0  # learner: experiences waiting; broker: largest subscriber backlog
+    idle_frac: float = 0.0  # fraction of the window spent waiting for work
+    staleness_mean: float = 0.0
+    peer_wait_s: float = 0.0  # learner: time spent waiting for peer results
+    weight_version: int = 0
+    dropped: int = 0  # messages dropped in the window (counted, never silent)
+    rejected: int = 0  # malformed messages rejected in the window
+
+
+# controller -> workers
+class Assign(_Message, tag="assign"):
+    """A role assignment: ``worker_id`` becomes ``role`` for ``model`` at its next step boundary."""
+
+    schema: int
+    epoch: int  # increases with every decision; stale assignments are ignored
+    worker_id: str
+    role: Literal["generator", "learner", "idle"]
+    model: str
+    reason: str = ""
+
+
+# learner -> its generators, scheduler, monitors
+class WeightsReady(_Message, tag="weights"):
+    """A learner announces that weight version ``version`` of ``model`` can be fetched."""
+
+    schema: int
+    model: str
+    version: int
+    step: int
+    nbytes: int
+    time: float
+
+
+# supervisor/controller -> any worker
+class Control(_Message, tag="ctl"):
+    """Lifecycle commands."""
+
+    schema: int
+    command: Literal["pause", "resume", "stop", "checkpoint"]
+    target: str = "*"  # a worker id, a model name, or "*" for everyone
+    reason: str = ""
+
+
+Message = Union[Experience, PromptBatch, Stats, Assign, WeightsReady, Control]
+
+MESSAGE_TYPES: tuple[type, ...] = (Experience, PromptBatch, Stats, Assign, WeightsReady, Control)
+
+
+def topic_for(msg: Message) -> str:
+    """The topic a message travels on; subscribers filter by prefix."""
+    if isinstance(msg, Experience):
+        return f"exp.{msg.model}"
+    if isinstance(msg, PromptBatch):
+        return f"prompts.{msg.model}"
+    if isinstance(msg, WeightsReady):
+        return f"weights.{msg.model}"
+    if isinstance(msg, Stats):
+        return "stats"
+    if isinstance(msg, Assign):
+        return "assign"
+    return "ctl"
+
+
+def now() -> float:
+    return time.time()
