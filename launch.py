@@ -1,0 +1,43 @@
+"""Mutual RL: the one command.
+
+    python launch.py                      run the default job (configs/default.toml)
+    python launch.py run --config F       run a config
+    python launch.py exchange tail ...    watch the live experience stream
+    python launch.py exchange stats ...   message rates per topic
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description="Mutual RL: post-train heterogeneous language models together with shared experience.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from engine import cli as engine_cli
+
+    engine_cli.add_commands(sub)
+    from exchange import cli as exchange_cli
+
+    exchange_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]  # `python launch.py [--set ...]` runs the default job
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
