@@ -103,6 +103,7 @@ class PromptBatch(_Message, tag="prompts"):
     model: str
     group_size: int
     problems: list[Problem]
+    min_weight_version: int = 0  # generator must hold at least this version first (0 = any; sync mode uses it)
 
 
 # any worker -> controller, monitors
