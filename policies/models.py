@@ -1,0 +1,186 @@
+"""Policy models: small causal LMs built from a spec, or loaded from a save_pretrained dir.
+
+One code path for both: `build_policy(spec, tokenizer)` builds a GPT-2- or Llama-style
+model sized to the tokenizer's vocabulary, unless `spec.checkpoint` names a directory,
+in which case that checkpoint is loaded (and checked against the tokenizer) instead.
+`save_policy` writes the save_pretrained layout (safetensors) atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+
+class ModelLoadError(Exception):
+    """A checkpoint directory is missing, incomplete, corrupt or does not fit the tokenizer."""
+
+
+class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What model to train: its family, tokenizer and size (or a checkpoint to load)."""
+
+    name: str  # unique per run: names the model's topics, metrics and run-dir files
+    arch: Literal["gpt2", "llama"]  # picks the model class and the prompt template
+    tokenizer: str  # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    max_seq_len: int = 128  # prompt + completion; sizes GPT-2's learned position table
+    n_kv_head: int | None = None  # llama only: grouped-query attention; None = n_head
+    intermediate_size: int | None = None  # llama MLP width; None = GPT-2's parameter count
+    tie_embeddings: bool = True  # the vocab matrix dominates tiny models: share it once
+    checkpoint: str | None = None  # a save_pretrained dir, loaded instead of built
+
+
+def build_policy(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, seed: int = 0
+) -> PreTrainedModel:
+    """The policy for `spec`: loaded from `spec.checkpoint`, else freshly built.
+
+    A fresh model's initialisation depends only on `spec` and `seed` (the global
+    torch RNG is left untouched). Dropout is off: the log-probs a learner computes
+    must be those the generator sampled from. The model is float32, in eval mode.
+    """
+    if spec.checkpoint is not None:
+        model = load_policy(spec.checkpoint)
+        _check_fits(model, spec, tokenizer, spec.checkpoint)
+        return model
+    config = _config(spec, tokenizer)
+    model_class = GPT2LMHeadModel if spec.arch == "gpt2" else LlamaForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.float().eval()
+
+
+def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> GPT2Config | LlamaConfig:
+    vocab_size = len(tokenizer)
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=_pad_id(tokenizer),
+        tie_word_embeddings=spec.tie_embeddings,
+    )
+    if spec.arch == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=spec.max_seq_len,
+            n_embd=spec.n_embd,
+            n_layer=spec.n_layer,
+            n_head=spec.n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **special,
+        )
+    # SwiGLU has three matrices where GPT-2's MLP has two: 8/3 * d keeps the count equal.
+    intermediate = spec.intermediate_size or _round_up(8 * spec.n_embd // 3, 32)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.n_embd,
+        intermediate_size=intermediate,
+        num_hidden_layers=spec.n_layer,
+        num_attention_heads=spec.n_head,
+        num_key_value_heads=spec.n_kv_head or spec.n_head,
+        max_position_embeddings=spec.max_seq_len,
+        attention_dropout=0.0,
+        **special,
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Padding never reaches the loss (masked), so EOS serves where no PAD exists."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id
+
+
+def load_policy(path: str | os.PathLike) -> PreTrainedModel:
+    """Load a save_pretrained directory; any problem is one ModelLoadError naming the path."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"checkpoint directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"checkpoint directory {path} has no config.json (not a save_pretrained dir)")
+    weights = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+    if not weights:
+        raise ModelLoadError(f"checkpoint directory {path} has no weights (*.safetensors)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a corrupt dir
+        raise ModelLoadError(f"checkpoint directory {path} could not be loaded: {exc}") from exc
+    return model.eval()
+
+
+def _check_fits(
+    model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, path: str
+) -> None:
+    """A checkpoint whose family or vocabulary differs from the spec is a config error."""
+    model_type = model.config.model_type
+    if (spec.arch == "gpt2") != (model_type == "gpt2"):
+        raise ModelLoadError(
+            f"checkpoint {path} is a {model_type!r} model but spec {spec.name!r} says arch={spec.arch!r}"
+        )
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise ModelLoadError(
+            f"checkpoint {path} has {rows} embedding rows but tokenizer {spec.tokenizer!r} "
+            f"has {len(tokenizer)} tokens: wrong tokenizer for this checkpoint?"
+        )
+
+
+def save_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | os.PathLike,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write model + tokenizer (+ extra files) to `path` in save_pretrained layout.
+
+    Atomic: everything is written to a temporary sibling directory, which is then
+    renamed into place, so a crash never leaves a half-written dir that looks valid.
+    An existing `path` is replaced.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`; an existing `dst` is moved aside first, then removed."""
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.rename(dst, old / dst.name)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
