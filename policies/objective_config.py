@@ -1,0 +1,78 @@
+"""Typed objective configs: one msgspec Struct per objective, tagged by ``kind``.
+
+A TOML table such as ``[objective] kind = "prp"  ratio_cap = 2.0`` decodes straight into
+``ObjectiveConfig`` (``msgspec.convert(table, ObjectiveConfig)``); unknown keys and bad
+values are refused with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+
+class SurrogateConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Fields every objective shares: the decoupled clipped surrogate on the receiver's own samples."""
+
+    eps_low: float = 0.2  # clip rho below at 1 - eps_low
+    eps_high: float = 0.28  # clip rho above at 1 + eps_high (DAPO clip-higher)
+    behav_weight_cap: float = 5.0  # truncate pi_prox / pi_behav here (decoupled PPO importance weight)
+    max_staleness: int = 4  # samples with learner version - sample version above this are masked and counted
+    std_normalise: bool = True  # A = (r - mean) / (std + eps); False -> Dr.GRPO mean-only A = r - mean
+    adv_eps: float = 1e-6  # keeps zero-variance groups finite (their advantages are exactly 0)
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"  # how token losses become one scalar
+    kl_coef: float = 0.0  # k3 KL to the reference policy; needs batch.ref_logp when > 0
+
+    @property
+    def kind(self) -> str:
+        """The registry name this config selects (its msgspec tag)."""
+        return str(type(self).__struct_config__.tag)
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.eps_low < 1.0, "eps_low", self.eps_low, "must be in [0, 1)")
+        _require(self.eps_high >= 0.0, "eps_high", self.eps_high, "must be >= 0")
+        _require(self.behav_weight_cap >= 1.0, "behav_weight_cap", self.behav_weight_cap, "must be >= 1")
+        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        _require(self.adv_eps > 0.0, "adv_eps", self.adv_eps, "must be > 0")
+        _require(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "must be >= 0")
+
+
+class GRPOConfig(SurrogateConfig, tag="grpo"):
+    """Solo GRPO: own samples, own group baseline."""
+
+
+class XGRPOConfig(SurrogateConfig, tag="xgrpo"):
+    """Cross-model GRPO: own samples, baseline and scale pooled with peer rewards on the same prompt."""
+
+    leave_own_out: bool = False  # baseline from peer rewards only (scale stays pooled)
+
+
+class PRPConfig(SurrogateConfig, tag="prp"):
+    """Peer rollout policy gradient: bridged peer samples join the group, weighted by a truncated ratio."""
+
+    ratio_cap: float = 2.0  # c in w = min(pi_receiver / pi_peer, c)
+    variant: Literal["sequence", "length_norm", "token"] = "sequence"  # where the ratio is taken
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.ratio_cap > 0.0, "ratio_cap", self.ratio_cap, "must be > 0")
+
+
+class SGTConfig(SurrogateConfig, tag="sgt"):
+    """Success-guided training: GRPO plus lambda * NLL of one verified peer success on the rescue set."""
+
+    lam: float = msgspec.field(default=0.1, name="lambda")  # weight of the rescue NLL term
+    nll_norm: Literal["token_mean", "sum"] = "token_mean"  # NLL per token of y* (SFT style) or summed
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.lam >= 0.0, "lambda", self.lam, "must be >= 0")
+
+
+ObjectiveConfig = Union[GRPOConfig, XGRPOConfig, PRPConfig, SGTConfig]
+
+
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"objective config field '{field}' = {value!r} {rule}")

@@ -1,0 +1,88 @@
+"""Token-level pieces shared by every objective: decoupled clipped surrogate, weights, KL, aggregation.
+
+Decoupled PPO (AReaL): the behaviour policy that generated a sample and the proximal
+policy that anchors the trust region are separate. Per token
+
+    rho   = pi_theta / pi_prox                      (gets the gradient, clipped)
+    iw    = min(pi_prox / pi_behav, cap)            (detached, truncated)
+    loss  = iw * max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
+
+Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp so padding garbage or a wildly
+stale sample can never produce inf/NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0
+
+Aggregation = Literal["token_mean", "seq_mean"]
+
+
+class TokenLoss(NamedTuple):
+    loss: Tensor  # (B, T) per-token loss, not yet masked
+    ratio: Tensor  # (B, T) detached pi_theta / pi_prox
+    clipped: Tensor  # (B, T) bool, the clipped branch is the active one (its gradient is 0)
+
+
+def masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    """log(num / den) on masked tokens, 0 elsewhere, clamped; gradient flows through ``num`` and ``den``."""
+    diff = torch.where(mask > 0, num - den, torch.zeros_like(num))
+    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def behaviour_weight(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Detached decoupled importance weight min(pi_prox / pi_behav, cap) (B, T), and where it was truncated."""
+    log_w = masked_log_ratio(prox_logp.detach(), behav_logp.detach(), mask)
+    truncated = (log_w > math.log(cap)) & (mask > 0)
+    return log_w.clamp(max=math.log(cap)).exp(), truncated
+
+
+def clipped_surrogate(
+    logp: Tensor, prox_logp: Tensor, adv: Tensor, weight: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> TokenLoss:
+    """Per-token decoupled PPO loss; ``adv`` is (B,) per sample, ``weight`` (B, T) detached."""
+    ratio = masked_log_ratio(logp, prox_logp.detach(), mask).exp()
+    adv_tok = adv.detach()[:, None]
+    unclipped = -adv_tok * ratio
+    clipped = -adv_tok * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped) * weight.detach()
+    clip_active = (clipped > unclipped) & (mask > 0)
+    return TokenLoss(loss, ratio.detach(), clip_active)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    log_r = masked_log_ratio(ref_logp.detach(), logp, mask)
+    return log_r.exp() - log_r - 1.0
+
+
+def aggregate(parts: list[tuple[Tensor, Tensor]], mode: Aggregation) -> Tensor:
+    """Reduce several (loss (R, T), mask (R, T)) blocks to one scalar, pooling all their rows.
+
+    token_mean: sum of masked token losses / number of masked tokens (over all blocks).
+    seq_mean: mean over rows with >= 1 token of each row's masked token mean.
+    An all-masked input gives 0 with a finite (zero) gradient.
+    """
+    if mode == "token_mean":
+        total = sum((torch.where(m > 0, l, torch.zeros_like(l)) * m).sum() for l, m in parts)
+        tokens = sum(m.sum() for _, m in parts)
+        return total / torch.clamp(torch.as_tensor(tokens, dtype=total.dtype), min=1.0)
+    if mode == "seq_mean":
+        row_sums = [(torch.where(m > 0, l, torch.zeros_like(l)) * m).sum(dim=1) for l, m in parts]
+        row_lens = [m.sum(dim=1) for _, m in parts]
+        means = torch.cat([s / n.clamp(min=1.0) for s, n in zip(row_sums, row_lens)])
+        rows = torch.cat([(n > 0).to(means.dtype) for n in row_lens]).sum()
+        return means.sum() / rows.clamp(min=1.0)
+    raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', got {mode!r}")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of ``values`` where ``mask`` > 0 as a Python float (0.0 when nothing is masked in)."""
+    keep = mask > 0
+    return float(values.detach()[keep].float().mean()) if bool(keep.any()) else 0.0
