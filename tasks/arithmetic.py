@@ -1,0 +1,80 @@
+"""Multi-digit arithmetic: "a op b", answered with the integer result.
+
+GPT-2's BPE merges digit runs into multi-digit tokens while SentencePiece splits
+every digit, so the same problems are genuinely different for the two families.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+from tasks.base import Problem, Verdict, is_held_out
+
+Op = Literal["+", "-", "*"]
+_INTEGER = re.compile(r"-?\d+")
+
+
+class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbid_unknown_fields=True, frozen=True):
+    """Two-operand integer arithmetic."""
+
+    min_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 1  # per operand, drawn uniformly
+    max_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 2
+    ops: tuple[Op, ...] = ("+",)
+    non_negative: bool = True  # for "-": larger operand first, so answers have no sign
+    eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        if not self.ops:
+            raise ValueError("ops must name at least one of '+', '-', '*'")
+
+
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class ArithmeticTask:
+    """Problems "a op b"; the completion is the exact integer result."""
+
+    name = "arithmetic"
+
+    def __init__(self, config: ArithmeticConfig) -> None:
+        self.config = config
+
+    def problem(self, prompt_id: int) -> Problem:
+        return self._draw(prompt_id, held_out=False)
+
+    def eval_problem(self, index: int) -> Problem:
+        return self._draw(index, held_out=True)
+
+    def _draw(self, index: int, held_out: bool) -> Problem:
+        """Draw from an id-seeded stream until the question falls in the wanted split."""
+        split = "eval" if held_out else "train"
+        rng = random.Random(f"arithmetic:{self.config.seed}:{split}:{index}")
+        while True:
+            a, b, op = self._operand(rng), self._operand(rng), rng.choice(self.config.ops)
+            if op == "-" and self.config.non_negative and a < b:
+                a, b = b, a
+            question = f"{a} {op} {b}"
+            if is_held_out(question, self.config.eval_fraction) == held_out:
+                answer = str(_APPLY[op](a, b))
+                return Problem(prompt_id=index, task=self.name, question=question, answer=answer)
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(self.config.min_digits, self.config.max_digits)
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return rng.randint(low, 10**digits - 1)
+
+    def verify(self, problem: Problem, completion_text: str) -> Verdict:
+        """Correct iff the whole completion (whitespace aside) is the exact integer answer."""
+        text = completion_text.strip()
+        correct = _INTEGER.fullmatch(text) is not None and int(text) == int(problem.answer)
+        return Verdict(reward=1.0 if correct else 0.0, verified=correct)
+
+    def worked_solution(self, problem: Problem) -> str:
+        return problem.answer

@@ -1,0 +1,60 @@
+"""What a task is: problems by id, a held-out eval set, a verifier, worked solutions."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+import msgspec
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """One prompt. The engine sends the same shape on the wire."""
+
+    prompt_id: int  # global id: every model sees the same problem for the same id
+    task: str  # name of the task that made it
+    question: str  # the bare question; each model wraps it in its own template
+    answer: str  # the reference answer (for countdown: the target number)
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """The verifier's judgement of one completion."""
+
+    reward: float  # what RL maximises
+    verified: bool  # the verifier confirmed the completion correct (a "success")
+
+
+class Task(Protocol):
+    """A source of problems with an exact verifier."""
+
+    name: str
+    config: msgspec.Struct  # the config it was made from (hashed into warm-start cache keys)
+
+    def problem(self, prompt_id: int) -> Problem:
+        """Training problem `prompt_id`: a pure function of the id and the task's seed."""
+        ...
+
+    def eval_problem(self, index: int) -> Problem:
+        """Held-out problem `index`: never equal to any training problem."""
+        ...
+
+    def verify(self, problem: Problem, completion_text: str) -> Verdict:
+        """Judge `completion_text` (the decoded completion, special tokens removed)."""
+        ...
+
+    def worked_solution(self, problem: Problem) -> str:
+        """A correct completion text for `problem` (the warm start's target)."""
+        ...
+
+
+def stable_fraction(text: str) -> float:
+    """A hash of `text` mapped to [0, 1): the same in every process and on every run.
+
+    (Python's hash() is salted per process, so it cannot split train from eval.)"""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def is_held_out(question: str, eval_fraction: float) -> bool:
+    """Whether `question` belongs to the held-out split (the same answer everywhere)."""
+    return stable_fraction(question) < eval_fraction

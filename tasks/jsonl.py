@@ -1,0 +1,118 @@
+"""Problems from a local JSONL file: one {"prompt": ..., "answer": ...} object a line.
+
+Answers are checked with math-verify (the completion's final math expression against
+the reference, up to mathematical equivalence). The file is validated when the task
+is made: the first bad line is one TaskFileError naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import math_verify
+import msgspec
+
+from tasks.base import Problem, Verdict, is_held_out
+
+PARSE_TIMEOUT_S = 5  # math-verify's own (signal-based) guard; only usable in the main thread
+
+
+class TaskFileError(Exception):
+    """A task file is missing, empty, or has a malformed line."""
+
+
+class JsonlConfig(msgspec.Struct, tag="jsonl", tag_field="kind", forbid_unknown_fields=True, frozen=True):
+    """A local dataset; held-out problems from `eval_path`, else a hash split of `path`."""
+
+    path: str
+    eval_path: str | None = None
+    eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # used when no eval_path
+    seed: int = 0  # shuffles the training order
+
+
+class _Line(msgspec.Struct):
+    prompt: str
+    answer: str | int | float  # datasets often store numeric answers as numbers
+
+
+class JsonlTask:
+    """Training problems in a seeded order; problem(id) cycles through them."""
+
+    name = "jsonl"
+
+    def __init__(self, config: JsonlConfig) -> None:
+        self.config = config
+        rows = read_jsonl(Path(config.path))
+        if config.eval_path is not None:
+            self._train, self._eval = rows, read_jsonl(Path(config.eval_path))
+        else:
+            self._train = [r for r in rows if not is_held_out(r[0], config.eval_fraction)]
+            self._eval = [r for r in rows if is_held_out(r[0], config.eval_fraction)]
+            if not self._train or not self._eval:
+                raise TaskFileError(
+                    f"{config.path}: {len(rows)} problems leave an empty train or held-out split; "
+                    "add lines, change eval_fraction, or set eval_path"
+                )
+        self._order = list(range(len(self._train)))
+        random.Random(f"jsonl:{config.seed}").shuffle(self._order)
+        logging.getLogger("math_verify").addFilter(_drop_timeout_notice)
+
+    def problem(self, prompt_id: int) -> Problem:
+        prompt, answer = self._train[self._order[prompt_id % len(self._order)]]
+        return Problem(prompt_id=prompt_id, task=self.name, question=prompt, answer=answer)
+
+    def eval_problem(self, index: int) -> Problem:
+        prompt, answer = self._eval[index % len(self._eval)]
+        return Problem(prompt_id=index, task=self.name, question=prompt, answer=answer)
+
+    def verify(self, problem: Problem, completion_text: str) -> Verdict:
+        timeout = PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+        predicted = math_verify.parse(completion_text, parsing_timeout=timeout)
+        correct = bool(predicted) and math_verify.verify(
+            _gold(problem.answer, timeout), predicted, timeout_seconds=timeout
+        )
+        return Verdict(reward=1.0 if correct else 0.0, verified=bool(correct))
+
+    def worked_solution(self, problem: Problem) -> str:
+        return problem.answer
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold(answer: str, timeout: int | None) -> list:
+    """The reference parsed once; a bare answer is read as LaTeX math."""
+    text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
+    return math_verify.parse(text, parsing_timeout=timeout)
+
+
+def _drop_timeout_notice(record: logging.LogRecord) -> bool:
+    """math-verify logs a warning per call when run without its signal timeout (threads)."""
+    return "Timeout is disabled" not in record.getMessage()
+
+
+def read_jsonl(path: Path) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs; blank lines are skipped, anything else malformed is an error."""
+    if not path.is_file():
+        raise TaskFileError(f"task file {path} does not exist")
+    decoder = msgspec.json.Decoder(_Line)
+    rows: list[tuple[str, str]] = []
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = decoder.decode(line)
+            except msgspec.ValidationError as exc:
+                raise TaskFileError(f'{path}, line {number}: expected {{"prompt": str, "answer": str}}: {exc}') from None
+            except msgspec.DecodeError as exc:
+                raise TaskFileError(f"{path}, line {number}: invalid JSON: {exc}") from None
+            if not row.prompt.strip():
+                raise TaskFileError(f"{path}, line {number}: empty prompt")
+            rows.append((row.prompt, str(row.answer)))
+    if not rows:
+        raise TaskFileError(f"task file {path} has no problems")
+    return rows

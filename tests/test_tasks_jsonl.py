@@ -1,0 +1,93 @@
+"""JSONL tasks: loading, disjoint splits, math-verify answers, one clear error per bad file."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tasks.jsonl import JsonlConfig, JsonlTask, TaskFileError
+from tasks.registry import make_task
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _dataset(tmp_path: Path, n: int = 60) -> Path:
+    lines = [f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}", "id": {i}}}' for i in range(n)]
+    lines.insert(5, "")  # blank lines are allowed
+    lines.append('{"prompt": "Half of one?", "answer": "\\\\frac{1}{2}"}')
+    lines.append('{"prompt": "Numeric answer", "answer": 7}')
+    return _write(tmp_path / "data.jsonl", lines)
+
+
+def test_loads_splits_and_orders_deterministically(tmp_path: Path) -> None:
+    config = JsonlConfig(path=str(_dataset(tmp_path)), seed=1)
+    task = make_task(config)
+    assert isinstance(task, JsonlTask) and task.name == "jsonl"
+    train = [task.problem(i) for i in range(200)]
+    held = [task.eval_problem(i) for i in range(200)]
+    assert {p.question for p in train}.isdisjoint({p.question for p in held})
+    assert len({p.question for p in train}) + len({p.question for p in held}) == 62
+    assert train == [JsonlTask(config).problem(i) for i in range(200)]
+    assert [p.question for p in train[:20]] != [JsonlTask(JsonlConfig(path=config.path, seed=2)).problem(i).question for i in range(20)]
+    assert train[7].prompt_id == 7 and train[7].task == "jsonl"
+
+
+def test_eval_path_gives_the_held_out_set(tmp_path: Path) -> None:
+    held = _write(tmp_path / "eval.jsonl", ['{"prompt": "2+2?", "answer": "4"}'])
+    task = JsonlTask(JsonlConfig(path=str(_dataset(tmp_path)), eval_path=str(held)))
+    assert task.eval_problem(3).question == "2+2?"
+
+
+def test_math_answers_are_checked_up_to_equivalence(tmp_path: Path) -> None:
+    task = JsonlTask(JsonlConfig(path=str(_dataset(tmp_path))))
+    everything = [task.problem(i) for i in range(62)] + [task.eval_problem(i) for i in range(62)]
+    half = next(p for p in everything if p.question == "Half of one?")
+    for good in [" 1/2", " 0.5", " \\frac{1}{2}", " The answer is \\boxed{\\frac12}."]:
+        assert task.verify(half, good).verified, good
+    for bad in [" 1/3", " 2", "", " no idea"]:
+        assert not task.verify(half, bad).verified, bad
+    problem = task.problem(0)
+    assert task.verify(problem, task.worked_solution(problem)).verified
+
+
+def test_verify_works_off_the_main_thread(tmp_path: Path) -> None:
+    task = JsonlTask(JsonlConfig(path=str(_dataset(tmp_path))))
+    problem = task.problem(3)
+    results: list[bool] = []
+    worker = threading.Thread(target=lambda: results.append(task.verify(problem, " " + problem.answer).verified))
+    worker.start()
+    worker.join()
+    assert results == [True]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"prompt": "x", "answer": "1"', "invalid JSON"),
+        ('["x", "1"]', "Expected `object`"),
+        ('{"prompt": "x"}', "missing required field `answer`"),
+        ('{"prompt": 3, "answer": "1"}', r"\$.prompt"),
+        ('{"prompt": "  ", "answer": "1"}', "empty prompt"),
+    ],
+)
+def test_malformed_line_is_one_error_naming_file_and_line(tmp_path: Path, bad_line: str, message: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", ['{"prompt": "1+1?", "answer": "2"}', "", bad_line])
+    with pytest.raises(TaskFileError, match=rf"{path}, line 3: .*{message}") as caught:
+        make_task(JsonlConfig(path=str(path)))
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_or_empty_files_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TaskFileError, match=f"task file {tmp_path / 'nope.jsonl'} does not exist"):
+        JsonlTask(JsonlConfig(path=str(tmp_path / "nope.jsonl")))
+    empty = _write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(TaskFileError, match="has no problems"):
+        JsonlTask(JsonlConfig(path=str(empty)))
+    one = _write(tmp_path / "one.jsonl", ['{"prompt": "1+1?", "answer": "2"}'])
+    with pytest.raises(TaskFileError, match="empty train or held-out split"):
+        JsonlTask(JsonlConfig(path=str(one)))
