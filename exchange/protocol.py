@@ -126,6 +126,12 @@ class Stats(_Message, tag="stats"):
     weight_version: int = 0
     dropped: int = 0  # messages dropped in the window (counted, never silent)
     rejected: int = 0  # malformed messages rejected in the window
+    # broker only (cumulative since start, so a late reader needs no earlier window):
+    accepted_total: int = 0  # messages accepted from publishers
+    rejected_total: int = 0
+    dropped_total: int = 0
+    topic_rates: dict[str, float] = {}  # messages/s per topic in the window
+    subscriber_backlog: dict[str, int] = {}  # messages waiting per subscriber name (slow ones show here)
 
 
 # controller -> workers
@@ -165,6 +171,40 @@ class Control(_Message, tag="ctl"):
 Message = Union[Experience, PromptBatch, Stats, Assign, WeightsReady, Control]
 
 MESSAGE_TYPES: tuple[type, ...] = (Experience, PromptBatch, Stats, Assign, WeightsReady, Control)
+
+
+# --- link messages: subscriber <-> broker only, never delivered to application code ---
+
+
+# subscriber -> broker
+class Subscribe(_Message, tag="sub"):
+    """Start (or refresh) a subscription; the broker answers ``Subscribed``. Idempotent."""
+
+    schema: int
+    name: str  # shown in Stats.subscriber_backlog
+    topics: list[str]  # prefixes; "" means everything
+    lossless: bool  # True: a full backlog pauses the publishers; False: excess is dropped and counted
+    token: int  # echoed in Subscribed, so a subscriber can match the answer to its request
+
+
+# broker -> subscriber
+class Subscribed(_Message, tag="subok"):
+    """The subscription is live: every message the broker accepts from now on is routed to it."""
+
+    schema: int
+    token: int
+
+
+# subscriber -> broker
+class Unsubscribe(_Message, tag="unsub"):
+    """The subscriber is leaving; the broker frees its backlog."""
+
+    schema: int
+
+
+LinkMessage = Union[Subscribe, Subscribed, Unsubscribe]
+
+LINK_TYPES: tuple[type, ...] = (Subscribe, Subscribed, Unsubscribe)
 
 
 def topic_for(msg: Message) -> str:

@@ -1,0 +1,358 @@
+"""SEE hub: receives from publishers, checks, logs Experience, routes to subscribers by topic.
+
+    publishers (PUSH) --frames--> [frontend PULL | broker | backend ROUTER] --frames--> subscribers (DEALER)
+
+One thread, one poll loop (this is meant to be its own process: ``run_broker(config)``
+is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
+
+- Every frame is decoded and validated; bad frames and bad messages are counted
+  (``Stats.rejected_total``), never forwarded, never logged, never fatal.
+- Every accepted Experience is appended to the log (if ``log_dir``) before it is routed.
+- Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
+  backlog here, bounded by ``backlog_messages``. Lossless subscribers over the bound
+  pause the frontend (publishers then wait at their high-water mark: back-pressure,
+  not loss); lossy ones lose what does not fit, counted in ``dropped_total``. Every
+  backlog is visible in ``Stats.subscriber_backlog`` (topic ``stats``, every
+  ``stats_interval_s``, and once more on the way out).
+- Stops on ``Control(command="stop")`` with target "*" or its name (forwarded first),
+  or on SIGTERM/SIGINT: delivers backlogs for up to ``drain_timeout_s``, closes the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from exchange.codec import DEFAULT_MAX_FRAME_BYTES, DecodeError, Decoder, Encoder, Frame
+from exchange.log import DEFAULT_SEGMENT_BYTES, ExperienceLogWriter
+from exchange.protocol import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    Control,
+    Experience,
+    Stats,
+    Subscribe,
+    Subscribed,
+    Unsubscribe,
+    topic_for,
+)
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+class ConfigError(ValueError):
+    """A BrokerConfig value that cannot work; the message names the field and the fix."""
+
+
+class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where the broker listens and how much it holds."""
+
+    frontend: str = "tcp://127.0.0.1:5557"  # publishers connect here
+    backend: str = "tcp://127.0.0.1:5558"  # subscribers connect here
+    log_dir: str | None = None  # experience log directory; None: no log
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # log segment size before rolling over
+    hwm_frames: int = 64  # ZeroMQ queue bound per socket/peer, in frames
+    backlog_messages: int = 16384  # per-subscriber backlog bound kept by the broker
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are rejected unread
+    stats_interval_s: float = 1.0
+    drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
+    name: str = "broker"  # Control target and Stats worker id
+    allow_remote: bool = False  # bind tcp on non-loopback addresses (exposes the run!)
+
+    def check(self) -> None:
+        for key in ("frontend", "backend"):
+            endpoint = getattr(self, key)
+            scheme, _, rest = endpoint.partition("://")
+            if scheme not in ("tcp", "ipc", "inproc") or not rest:
+                raise ConfigError(f"{key} = {endpoint!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+            host = rest.rsplit(":", 1)[0]
+            if scheme == "tcp" and host not in _LOOPBACK_HOSTS and not self.allow_remote:
+                raise ConfigError(f"{key} = {endpoint!r} is not loopback; set allow_remote = true to expose the exchange")
+        if self.frontend == self.backend:
+            raise ConfigError("frontend and backend must be different endpoints")
+        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
+        if not self.stats_interval_s > 0 or not self.drain_timeout_s >= 0:
+            raise ConfigError("stats_interval_s must be > 0 and drain_timeout_s >= 0")
+
+
+@dataclass
+class _Subscriber:
+    identity: bytes
+    name: str
+    prefixes: tuple[str, ...]
+    lossless: bool
+    backlog: deque = field(default_factory=deque)  # (frame, n_messages), oldest first
+    waiting: int = 0  # messages in backlog
+    dropped: int = 0
+    _wants: dict[str, bool] = field(default_factory=dict)
+
+    def wants(self, topic: str) -> bool:
+        hit = self._wants.get(topic)
+        if hit is None:
+            hit = self._wants[topic] = any(topic.startswith(p) for p in self.prefixes)
+        return hit
+
+
+class Broker:
+    """The hub's state and loop; ``run_broker`` is the entry point."""
+
+    def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
+        config.check()
+        self.config = config
+        self._ctx = context or zmq.Context()
+        self._frontend = self._ctx.socket(zmq.PULL)
+        self._frontend.setsockopt(zmq.RCVHWM, config.hwm_frames)
+        self._frontend.bind(config.frontend)
+        self._backend = self._ctx.socket(zmq.ROUTER)
+        self._backend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises Again instead of dropping
+        self._backend.setsockopt(zmq.SNDHWM, config.hwm_frames)
+        self._backend.bind(config.backend)
+        self._decoder = Decoder(MESSAGE_TYPES, config.max_frame_bytes)
+        self._link_decoder = Decoder((Subscribe, Unsubscribe), config.max_frame_bytes)
+        self._encoder = Encoder(config.max_frame_bytes)
+        self._log = ExperienceLogWriter(config.log_dir, config.segment_bytes) if config.log_dir else None
+        self._subs: dict[bytes, _Subscriber] = {}
+        self._stopping = False
+        self.accepted = self.rejected = self.dropped = 0
+        self._window = Counter()  # topic -> messages in this stats window
+        self._window_rejected = self._window_dropped = self._window_exps = 0
+        self._window_start = time.monotonic()
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    # --- the loop ---
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._backend, zmq.POLLIN)
+        poller.register(self._frontend, zmq.POLLIN)
+        reading = True
+        next_stats = time.monotonic() + self.config.stats_interval_s
+        while not self._stopping:
+            paused = self._must_pause()
+            if paused == reading:
+                poller.modify(self._frontend, 0 if paused else zmq.POLLIN)
+                reading = not paused
+            backlogged = any(s.backlog for s in self._subs.values())
+            wait_ms = 1 if backlogged else min(100, max(0, int((next_stats - time.monotonic()) * 1000)))
+            events = dict(poller.poll(wait_ms))
+            if self._backend in events:
+                self._drain_backend()
+            if self._frontend in events:
+                self._drain_frontend()
+            if backlogged:
+                self._retry_backlogs()
+            if time.monotonic() >= next_stats:
+                self._publish_stats()
+                next_stats = time.monotonic() + self.config.stats_interval_s
+            if self._log and self._frontend not in events:
+                self._log.flush()  # idle: hand what we logged to the OS
+        self._shutdown()
+
+    def _drain_frontend(self, max_frames: int = 32) -> None:
+        for _ in range(max_frames):
+            try:
+                data = self._frontend.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._accept(self._decoder.decode_frame(data), data)
+            if self._stopping or self._must_pause():
+                return
+
+    def _must_pause(self) -> bool:
+        """A lossless subscriber is at its backlog bound: stop reading publishers until it drains."""
+        return any(s.lossless and s.waiting >= self.config.backlog_messages for s in self._subs.values())
+
+    def _accept(self, frame: Frame, data: bytes) -> None:
+        self._count_rejects(frame.errors)
+        if not frame.messages:
+            return
+        n = len(frame.messages)
+        self.accepted += n
+        topics = [topic_for(m) for m in frame.messages]
+        exps = [raw for m, raw in zip(frame.messages, frame.raws) if type(m) is Experience]
+        self._window_exps += len(exps)
+        if self._log and exps:
+            self._log.append_raw(exps)
+        whole = data if not frame.errors else None
+        self._route(topics, frame.raws, whole)
+        for m in frame.messages:
+            if type(m) is Control and m.command == "stop" and m.target in ("*", self.config.name):
+                self._stopping = True
+
+    def _route(self, topics: list[str], raws: list, whole: bytes | None, count: bool = True) -> None:
+        uniform = topics[0] if topics.count(topics[0]) == len(topics) else None
+        if count and uniform is not None:
+            self._window[uniform] += len(topics)
+        elif count:
+            self._window.update(topics)
+        for sub in list(self._subs.values()):
+            if uniform is not None:
+                if sub.wants(uniform):
+                    self._deliver(sub, whole or Encoder.frame(raws), len(raws))
+                continue
+            picked = [raw for raw, t in zip(raws, topics) if sub.wants(t)]
+            if picked:
+                self._deliver(sub, whole if len(picked) == len(raws) and whole else Encoder.frame(picked), len(picked))
+
+    def _deliver(self, sub: _Subscriber, frame: bytes, n: int) -> None:
+        if not sub.backlog and self._send(sub, frame):
+            return
+        if sub.identity not in self._subs:
+            return
+        if not sub.lossless and sub.waiting + n > self.config.backlog_messages:
+            sub.dropped += n
+            self.dropped += n
+            self._window_dropped += n
+            return
+        sub.backlog.append((frame, n))
+        sub.waiting += n
+
+    def _send(self, sub: _Subscriber, frame: bytes) -> bool:
+        """True if ZeroMQ took the frame; False if the peer's queue is full. Forgets vanished peers."""
+        try:
+            self._backend.send_multipart((sub.identity, frame), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget(sub)
+            return False
+
+    def _forget(self, sub: _Subscriber) -> None:
+        self._subs.pop(sub.identity, None)
+        sub.backlog.clear()
+        sub.waiting = 0
+
+    def _retry_backlogs(self) -> None:
+        for sub in list(self._subs.values()):
+            while sub.backlog and self._send(sub, sub.backlog[0][0]):
+                _, n = sub.backlog.popleft()
+                sub.waiting -= n
+
+    # --- subscribers ---
+
+    def _drain_backend(self) -> None:
+        while True:
+            try:
+                parts = self._backend.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = parts[0]
+            for data in parts[1:] or [b""]:
+                frame = self._link_decoder.decode_frame(data)
+                self._count_rejects(frame.errors)
+                for msg in frame.messages:
+                    self._on_link(identity, msg)
+
+    def _on_link(self, identity: bytes, msg: Subscribe | Unsubscribe) -> None:
+        if type(msg) is Unsubscribe:
+            if identity in self._subs:
+                self._forget(self._subs[identity])
+            return
+        sub = self._subs.get(identity)
+        if sub is None:
+            taken = {s.name for s in self._subs.values()}
+            name = msg.name if msg.name not in taken else f"{msg.name}#{identity.hex()[-6:]}"
+            sub = self._subs[identity] = _Subscriber(identity, name, (), msg.lossless)
+        sub.prefixes, sub.lossless, sub._wants = tuple(msg.topics), msg.lossless, {}
+        ack = Encoder.frame([self._encoder.encode(Subscribed(SCHEMA_VERSION, msg.token))])
+        self._deliver(sub, ack, 0)
+
+    def _count_rejects(self, errors: list[DecodeError]) -> None:
+        if errors:
+            self.rejected += len(errors)
+            self._window_rejected += len(errors)
+
+    # --- stats and shutdown ---
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        window = max(now - self._window_start, 1e-9)
+        backlog = {s.name: s.waiting for s in self._subs.values()}
+        stats = Stats(
+            SCHEMA_VERSION, self.config.name, "broker", "", time.time(), window,
+            samples_per_s=self._window_exps / window,
+            queue_depth=max(backlog.values(), default=0),
+            dropped=self._window_dropped, rejected=self._window_rejected,
+            accepted_total=self.accepted, rejected_total=self.rejected, dropped_total=self.dropped,
+            topic_rates={t: c / window for t, c in self._window.items()},
+            subscriber_backlog=backlog,
+        )
+        self._window.clear()
+        self._window_rejected = self._window_dropped = self._window_exps = 0
+        self._window_start = now
+        self._route(["stats"], [self._encoder.encode(stats)], None, count=False)
+        if self._log:
+            self._log.flush()
+
+    def _shutdown(self) -> None:
+        self._publish_stats()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while any(s.backlog for s in self._subs.values()) and time.monotonic() < deadline:
+            self._retry_backlogs()
+            time.sleep(0.001)
+        if self._log:
+            self._log.close()
+        linger_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        self._frontend.close(linger=0)
+        self._backend.close(linger=linger_ms)
+
+
+def run_broker(config: BrokerConfig) -> None:
+    """Run the hub until stopped (blocking). Installs SIGTERM/SIGINT handlers when on the main thread."""
+    broker = Broker(config)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, broker.request_stop)
+        signal.signal(signal.SIGINT, broker.request_stop)
+    broker.run()
+
+
+def spawn_broker(config: BrokerConfig) -> multiprocessing.process.BaseProcess:
+    """Check ``config`` here (``ConfigError`` in the caller), then run the hub in a fresh spawned process.
+
+    Stop it with a ``Control(command="stop")`` or ``proc.terminate()`` (SIGTERM); both exit 0.
+    """
+    config.check()
+    proc = multiprocessing.get_context("spawn").Process(target=run_broker, args=(config,), name=f"see-{config.name}")
+    proc.start()
+    return proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = BrokerConfig()
+    parser = argparse.ArgumentParser(prog="python -m exchange.broker", description="Run the SEE hub (shared experience exchange broker).")
+    parser.add_argument("--frontend", default=defaults.frontend, help="endpoint publishers connect to (default: %(default)s)")
+    parser.add_argument("--backend", default=defaults.backend, help="endpoint subscribers connect to (default: %(default)s)")
+    parser.add_argument("--log-dir", default=None, help="experience log directory (default: no log)")
+    parser.add_argument("--backlog-messages", type=int, default=defaults.backlog_messages, help="per-subscriber backlog bound (default: %(default)s)")
+    parser.add_argument("--stats-interval", type=float, default=defaults.stats_interval_s, help="seconds between Stats (default: %(default)s)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow binding non-loopback tcp addresses")
+    args = parser.parse_args(argv)
+    config = BrokerConfig(frontend=args.frontend, backend=args.backend, log_dir=args.log_dir,
+                          backlog_messages=args.backlog_messages, stats_interval_s=args.stats_interval,
+                          allow_remote=args.allow_remote)
+    try:
+        run_broker(config)
+    except (ConfigError, zmq.ZMQError, OSError) as exc:
+        print(f"exchange broker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""SEE transport: async Publisher and Subscriber that talk to the broker (``exchange.broker``).
+
+Publisher: a PUSH socket connected to the broker's frontend. ``await send(msg)`` encodes
+and validates at once (your bad data raises here, typed), then buffers; the buffer goes
+out as one frame when it holds ``max_batch`` messages or ``max_batch_bytes``, or at the
+next turn of the event loop, whichever comes first. So a burst of sends costs one socket
+operation per batch, and a lone send waits at most one loop turn.
+Blocks: when the broker is not reading (its own back-pressure, or it is not up yet) the
+socket queue fills to ``hwm_frames`` and ``send``/``flush`` wait. Never drops.
+
+Subscriber: a DEALER socket connected to the broker's backend. It announces its topic
+prefixes with ``Subscribe``; ``await ready()`` returns once the broker has answered
+``Subscribed``, and from then on every message the broker accepts on those topics is
+delivered, in the broker's order (this is the ZeroMQ slow-joiner cure). ``lossless=True``
+(learners): if this subscriber falls behind by the broker's backlog bound, the broker
+stops reading publishers until it catches up. ``lossless=False`` (monitors, taps): the
+broker drops what does not fit and counts it in its Stats. Bad frames are decoded into
+typed errors, counted in ``rejected`` (last one kept in ``last_error``), never raised.
+If nothing arrives for ``resubscribe_s`` the subscription is re-sent (idempotent), so a
+restarted broker picks its subscribers up again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from exchange.codec import DEFAULT_MAX_FRAME_BYTES, DecodeError, Decoder, Encoder
+from exchange.protocol import MESSAGE_TYPES, SCHEMA_VERSION, Message, Subscribe, Subscribed, Unsubscribe
+
+_tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
+
+
+class Backpressure(RuntimeError):
+    """send_nowait found the publisher's buffer full; ``await pub.flush()`` and retry."""
+
+
+class Publisher:
+    """Async publisher of typed messages to the broker frontend (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_batch: int = 256,  # messages per frame; amortises the per-frame event-loop cost
+        max_batch_bytes: int = 1 << 20,
+        hwm_frames: int = 64,  # frames queued in ZeroMQ before send waits
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_batch = max_batch
+        self.max_batch_bytes = min(max_batch_bytes, max_frame_bytes)
+        self._encoder = Encoder(max_frame_bytes)
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._buf: list[bytes] = []
+        self._buf_bytes = 0
+        self._drainer: asyncio.Task | None = None
+        self.sent = 0  # messages handed to ZeroMQ
+
+    async def send(self, msg: Message) -> None:
+        """Encode (raises ``DecodeError`` subclasses on invalid data), buffer, send in order."""
+        self._append(msg)
+        if len(self._buf) >= self.max_batch or self._buf_bytes >= self.max_batch_bytes:
+            await self.flush()
+        else:
+            self._ensure_drainer()
+
+    def send_nowait(self, msg: Message) -> None:
+        """Like ``send`` without waiting (needs a running loop); raises ``Backpressure`` when 4 batches are pending."""
+        if len(self._buf) >= 4 * self.max_batch or self._buf_bytes >= 4 * self.max_batch_bytes:
+            raise Backpressure(f"publisher to {self.endpoint} has {len(self._buf)} messages waiting; await flush()")
+        self._append(msg)
+        self._ensure_drainer()
+
+    def _append(self, msg: Message) -> None:
+        data = self._encoder.encode(msg)
+        self._buf.append(data)
+        self._buf_bytes += len(data)
+
+    def _ensure_drainer(self) -> None:
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """The only code that writes the socket, so frames leave in send order."""
+        while self._buf:
+            items, self._buf, self._buf_bytes = self._buf[: self.max_batch], self._buf[self.max_batch :], 0
+            self._buf_bytes = sum(map(len, self._buf)) if self._buf else 0
+            await self._sock.send(Encoder.frame(items), copy=False)
+            self.sent += len(items)
+
+    async def flush(self) -> None:
+        """Wait until every buffered message is handed to ZeroMQ (not necessarily delivered)."""
+        if self._buf:
+            self._ensure_drainer()
+        if self._drainer is not None:
+            await self._drainer
+
+    async def aclose(self, linger_s: float = 5.0) -> None:
+        """Flush, then close; ZeroMQ keeps trying to deliver queued frames for ``linger_s``."""
+        await self.flush()
+        self.close(linger_s)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close now; messages still buffered here (not yet flushed) are discarded."""
+        if self._drainer is not None and not self._drainer.done():
+            self._drainer.cancel()
+        self._sock.close(linger=int(linger_s * 1000))
+
+
+class Subscriber:
+    """Async subscriber to topic prefixes at the broker backend (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        topics: list[str],
+        *,
+        name: str | None = None,
+        lossless: bool = True,
+        hwm_frames: int = 64,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        resubscribe_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.topics = list(topics)
+        self.name = name or f"sub-{os.getpid()}"
+        self.lossless = lossless
+        self.resubscribe_s = resubscribe_s
+        self.rejected = 0
+        self.last_error: DecodeError | None = None
+        self.received = 0
+        self._decoder = Decoder(types=(*MESSAGE_TYPES, Subscribed), max_frame_bytes=max_frame_bytes)
+        self._encoder = Encoder()
+        self._token = next(_tokens)
+        self._ready = False
+        self._queue: deque = deque()
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.RCVHWM, hwm_frames)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        msg = Subscribe(SCHEMA_VERSION, self.name, self.topics, self.lossless, self._token)
+        try:
+            zmq.Socket.send(self._sock, Encoder.frame([self._encoder.encode(msg)]), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the broker has been away long enough to fill the queue; the next idle turn retries
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready
+
+    async def ready(self, timeout: float = 10.0) -> None:
+        """Wait until the broker confirms the subscription; raises ``TimeoutError`` with a sentence."""
+        try:
+            await asyncio.wait_for(self._wait_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no broker confirmed the subscription at {self.endpoint} within {timeout:g} s") from None
+
+    async def _wait_ready(self) -> None:
+        while not self._ready:
+            await self._fill()
+
+    async def recv(self) -> Message:
+        """The next message on the subscribed topics (waits; never raises for bad frames)."""
+        while not self._queue:
+            await self._fill()
+        return self._queue.popleft()
+
+    async def recv_batch(self, max_messages: int = 1 << 30) -> list[Message]:
+        """Everything already received (at least one message, at most ``max_messages``)."""
+        while not self._queue:
+            await self._fill()
+        n = min(len(self._queue), max_messages)
+        return [self._queue.popleft() for _ in range(n)]
+
+    def __aiter__(self) -> Subscriber:
+        return self
+
+    async def __anext__(self) -> Message:
+        return await self.recv()
+
+    async def _fill(self) -> None:
+        """Receive one frame (re-subscribing while idle) and queue its good messages."""
+        while not await self._sock.poll(int(self.resubscribe_s * 1000), zmq.POLLIN):
+            self._subscribe()
+        frame = self._decoder.decode_frame(await self._sock.recv(copy=True))
+        if frame.errors:
+            self.rejected += len(frame.errors)
+            self.last_error = frame.errors[-1]
+        for msg in frame.messages:
+            if type(msg) is Subscribed:
+                self._ready = self._ready or msg.token == self._token
+            else:
+                self._queue.append(msg)
+                self.received += 1
+
+    def close(self) -> None:
+        """Tell the broker we are leaving (best effort), then close."""
+        try:
+            zmq.Socket.send(self._sock, Encoder.frame([self._encoder.encode(Unsubscribe(SCHEMA_VERSION))]), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._sock.close(linger=100)
