@@ -1,0 +1,120 @@
+"""A learner's inbox: own groups by prompt, peer samples bridged by the THL on arrival."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from engine.batching import OwnSample, PeerSample
+from exchange.protocol import Experience
+from policies.templates import prompt_ids
+from tokenbridge import Bridge, BridgeError
+
+
+class Ingest:
+    """Own experience grouped per prompt; peer experience retokenized into our vocabulary.
+
+    Exactly-once: an experience id seen before is ignored. A peer sample for a prompt
+    this learner already trained on is counted as late and dropped.
+    """
+
+    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int):
+        self.spec, self.tokenizer, self.task, self.G = spec, tokenizer, task, group_size
+        self.bridges = {name: Bridge(tok, tokenizer) for name, tok in peer_tokenizers.items()}
+        self.own: dict[int, list[OwnSample]] = {}
+        self.complete: collections.deque[int] = collections.deque()
+        self.consumed: set[int] = set()
+        self.peers: dict[int, list[PeerSample]] = {}
+        self.peer_counts: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.seen: set[str] = set()
+        self._prompts: dict[int, np.ndarray] = {}
+        self._residuals: list[float] = []
+        self.failures = 0
+        self.late = 0
+        self.last_popped: list[OwnSample] = []
+
+    def add(self, exp: Experience) -> None:
+        if exp.experience_id in self.seen:
+            return
+        self.seen.add(exp.experience_id)
+        if exp.model == self.spec.name:
+            self._add_own(exp)
+        elif exp.model in self.bridges:
+            self._add_peer(exp)
+
+    def _add_own(self, exp: Experience) -> None:
+        group = self.own.setdefault(exp.prompt_id, [])
+        group.append(OwnSample(
+            prompt_ids=exp.prompt_array, completion_ids=exp.completion_array,
+            behaviour_logprobs=exp.logprob_array, reward=exp.reward, verified=exp.verified,
+            weight_version=exp.weight_version, prompt_id=exp.prompt_id,
+        ))
+        if len(group) == exp.group_size:
+            self.complete.append(exp.prompt_id)
+
+    def _add_peer(self, exp: Experience) -> None:
+        if exp.prompt_id in self.consumed:
+            self.late += 1
+            return
+        self.peer_counts[(exp.model, exp.prompt_id)] += 1
+        try:
+            bridged = self.bridges[exp.model].bridge(exp.completion_array, logprobs=exp.logprob_array)
+        except BridgeError:
+            self.failures += 1  # counted, reported in metrics; the sample is not used
+            return
+        self._residuals.append(float(bridged.residual))
+        self.peers.setdefault(exp.prompt_id, []).append(PeerSample(
+            model=exp.model, prompt_id=exp.prompt_id, prompt_ids=self._prompt(exp.prompt_id),
+            completion_ids=np.asarray(bridged.dst_ids, dtype=np.int64),
+            behaviour_logprobs=np.asarray(bridged.dst_logprobs, dtype=np.float32),
+            align=np.asarray(bridged.dst_group, dtype=np.int64), residual=float(bridged.residual),
+            reward=exp.reward, verified=exp.verified, weight_version=exp.weight_version,
+        ))
+
+    def _prompt(self, prompt_id: int) -> np.ndarray:
+        """Our own template for the prompt: only the completion crosses the bridge."""
+        if prompt_id not in self._prompts:
+            question = self.task.problem(prompt_id).question
+            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, question))
+        return self._prompts[prompt_id]
+
+    def complete_own_groups(self) -> int:
+        return len(self.complete)
+
+    def queued_own(self) -> int:
+        return sum(len(g) for g in self.own.values())
+
+    def take_own_groups(self, n: int) -> list[int]:
+        """The n oldest complete own groups; from now on late peer samples for them are dropped."""
+        taken = [self.complete.popleft() for _ in range(min(n, len(self.complete)))]
+        self.consumed.update(taken)
+        return taken
+
+    def peers_complete(self, prompts: list[int], models: list[str]) -> bool:
+        return all(self.peer_counts[(m, p)] >= self.G for m in models for p in prompts)
+
+    def missing_peer_groups(self, prompts: list[int], models: list[str]) -> int:
+        return sum(self.peer_counts[(m, p)] < self.G for m in models for p in prompts)
+
+    def pop_own(self, prompts: list[int]) -> list[OwnSample]:
+        self.last_popped = [s for p in prompts for s in self.own.pop(p)]
+        return self.last_popped
+
+    def pop_peers(self, prompts: list[int]) -> list[PeerSample]:
+        out = [s for p in prompts for s in self.peers.pop(p, [])]
+        for p in prompts:
+            for m in self.bridges:
+                self.peer_counts.pop((m, p), None)
+        return out
+
+    def take_residual_mean(self) -> float | None:
+        vals, self._residuals = self._residuals, []
+        return sum(vals) / len(vals) if vals else None
+
+    @staticmethod
+    def scalars_only(p: PeerSample) -> PeerSample:
+        empty = np.zeros(0, dtype=np.int64)
+        return PeerSample(model=p.model, prompt_id=p.prompt_id, prompt_ids=p.prompt_ids[:1], completion_ids=empty,
+                          behaviour_logprobs=np.zeros(0, dtype=np.float32), align=empty, residual=p.residual,
+                          reward=p.reward, verified=p.verified, weight_version=p.weight_version)

@@ -1,0 +1,279 @@
+"""The supervisor: one asyncio (uvloop) process that runs a whole mutual-RL job.
+
+    launch.py run -> main(): config, run dir, warm starts (cached), then Supervisor.run():
+        broker (SEE hub) ── one process
+        per model: learner (rank 0 of its weight group) + generators (ranks 1..n)
+        here: prompt scheduler, live display, child watch, signal handling
+
+Shutdown is always the same path, whatever triggers it (end of the run, time cap,
+Ctrl-C/SIGTERM, a child's death): Control(stop) to everyone, wait for the learners'
+final records, then stop every child (join, SIGTERM, SIGKILL), so no process and
+no socket outlives the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from engine import actors
+from engine.config import RunConfig, cache_root, load_run_config, tokenizer_cache
+from engine.configload import ConfigError
+from engine.display import LiveDisplay, print_summary
+from engine.metrics import MetricsTail
+from engine.plan import WorkerPlan
+from engine.prep import PrepPlan, PrepResult
+from engine.runfiles import free_port, make_run_dir, write_resolved_config
+from exchange.broker import Broker, BrokerConfig
+from exchange.protocol import SCHEMA_VERSION, Control, Experience, Problem, PromptBatch, Stats, WeightsReady
+from exchange.transport import Publisher, Subscriber
+from tasks.registry import make_task
+
+
+class RunFailed(RuntimeError):
+    """The run could not complete; the message says which part failed."""
+
+
+def main(args) -> int:
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        preflight(cfg)
+        run_dir = make_run_dir(args.run_dir)
+    except (ConfigError, FileExistsError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write_resolved_config(cfg, run_dir)
+    print(f"run dir: {run_dir}", flush=True)
+    try:
+        preps = prepare_models(cfg, run_dir)
+        import uvloop
+
+        return uvloop.run(Supervisor(cfg, run_dir, preps).run())
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        (run_dir / "FAILED").write_text(str(exc) + "\n")
+        return 1
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Fail before starting anything if a tokenizer or the task cannot be loaded."""
+    from tokenbridge import TokenizerLoadError, load_tokenizer
+
+    for i, m in enumerate(cfg.models):
+        try:
+            load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
+        except TokenizerLoadError as exc:
+            raise ConfigError(f"models.{i}.tokenizer: {exc}") from None
+    try:
+        make_task(cfg.task)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"task: {exc}") from None
+
+
+def prepare_models(cfg: RunConfig, run_dir: Path) -> list[PrepResult]:
+    """Warm-start and evaluate every model, one process each, in parallel (cached on disk)."""
+    cache = cache_root(cfg)
+    cache.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for i, m in enumerate(cfg.models):
+        result_path = run_dir / f".prep-{m.name}.json"
+        plan = PrepPlan(config=cfg, model_index=i, cache_dir=str(cache), result_path=str(result_path),
+                        progress=sys.stderr.isatty())
+        workers.append((result_path, actors.spawn(f"prep-{m.name}", "engine.prep:prepare_model",
+                                                  msgspec.msgpack.encode(plan), threads=cfg.train.threads_per_process)))
+    print(f"warm start + held-out eval of {len(workers)} models (cached after the first run) ...", flush=True)
+    try:
+        for _, actor in workers:
+            actor.process.join()
+    except KeyboardInterrupt:
+        actors.stop_all([a for _, a in workers], grace_s=0)
+        raise RunFailed("interrupted during the warm start") from None
+    results = []
+    for path, actor in workers:
+        if actor.exitcode != 0 or not path.exists():
+            actors.stop_all([a for _, a in workers], grace_s=0)
+            raise RunFailed(f"warm start of {actor.name[5:]} failed (exit code {actor.exitcode}); see the messages above")
+        results.append(msgspec.json.decode(path.read_bytes(), type=PrepResult))
+        path.unlink()
+    return results
+
+
+def broker_entry(payload: bytes) -> int:
+    """Broker process: stops on Control(stop) or SIGTERM (Ctrl-C is the supervisor's to handle)."""
+    broker = Broker(msgspec.msgpack.decode(payload, type=BrokerConfig))
+    signal.signal(signal.SIGTERM, broker.request_stop)
+    broker.run()
+    return 0
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig, run_dir: Path, preps: list[PrepResult]):
+        self.cfg, self.run_dir, self.preps = cfg, run_dir, preps
+        self.run_id = run_dir.name
+        self.task = make_task(cfg.task)
+        self.names = [m.name for m in cfg.models]
+        self.issued = {n: 0 for n in self.names}
+        self.version = {n: 0 for n in self.names}
+        self.samples = {n: 0 for n in self.names}
+        self.finals: dict[str, dict] = {}
+        self.changed = asyncio.Event()
+        self.stopping = False
+        self.failure: str | None = None
+        self.actors: list[actors.Actor] = []
+        self._problems: dict[int, list[Problem]] = {}
+
+    async def run(self) -> int:
+        sock_dir = Path(tempfile.mkdtemp(prefix="mrl-"))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self._start(sock_dir)
+            await self._supervise()
+        finally:
+            await self._shutdown()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        print_summary(self.cfg, self.preps, self.finals, self.samples)
+        if self.failure:
+            (self.run_dir / "FAILED").write_text(self.failure + "\n")
+            print(f"error: {self.failure}", file=sys.stderr)
+            return 1
+        return 0
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stopping:  # second Ctrl-C: stop waiting for final evaluations
+            self.failure = self.failure or "interrupted twice; stopped without final evaluation"
+            for a in self.actors:
+                a.process.kill()
+        self.stopping = True
+        print(f"\n{signal.Signals(sig).name}: stopping (checkpoints and final eval follow; again to abort)", flush=True)
+        self.changed.set()
+
+    async def _start(self, sock_dir: Path) -> None:
+        self.broker_in, self.broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+        broker = BrokerConfig(frontend=self.broker_in, backend=self.broker_out,
+                              log_dir=str(self.run_dir / "experience_log"), name="broker")
+        self.actors.append(actors.spawn("broker", "engine.supervisor:broker_entry", msgspec.msgpack.encode(broker)))
+        self.pub = Publisher(self.broker_in)
+        self.sub = Subscriber(self.broker_out, ["weights.", "stats", "exp."], name="supervisor", lossless=False)
+        await self.sub.ready(timeout=60)
+        threads = self.cfg.train.threads_per_process
+        for i, (m, prep) in enumerate(zip(self.cfg.models, self.preps)):
+            group = f"tcp://127.0.0.1:{free_port()}"
+            warm = {"warm_accuracy": prep.warm_accuracy, "warm_accuracy_stderr": prep.warm_accuracy_stderr}
+            roles = [("learner", 0)] + [("generator", g) for g in range(m.generators)]
+            for role, index in roles:
+                plan = WorkerPlan(run_id=self.run_id, run_dir=str(self.run_dir), config=self.cfg, model_index=i,
+                                  role=role, worker_index=index, broker_in=self.broker_in, broker_out=self.broker_out,
+                                  weight_group=group, warm_checkpoint=prep.checkpoint, warm_eval=warm)
+                self.actors.append(actors.spawn(plan.worker_id, f"engine.{role}:run", plan.encode(), threads))
+
+    async def _supervise(self) -> None:
+        display = LiveDisplay(self.cfg, self.preps)
+        tasks = [asyncio.create_task(c) for c in (self._listen(), self._schedule(), self._watch(), self._tail(display))]
+        deadline = time.time() + self.cfg.run.max_minutes * 60
+        try:
+            while not self.stopping and len(self.finals) < len(self.names):
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=max(0.0, deadline - time.time()))
+                except TimeoutError:
+                    print(f"\nrun.max_minutes={self.cfg.run.max_minutes} reached: stopping", flush=True)
+                    break
+            await self._send_stop()
+            await self._await_finals(timeout=300)
+        finally:
+            for t in tasks:
+                t.cancel()
+            display.close()
+
+    async def _send_stop(self) -> None:
+        self.stopping = True
+        for name in self.names:  # learners first: they checkpoint and evaluate
+            await self.pub.send(Control(schema=SCHEMA_VERSION, command="stop", target=name, reason="end of run"))
+        await self.pub.flush()
+
+    async def _await_finals(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        learners = [a for a in self.actors if ".l" in a.name]
+        while len(self.finals) < len(self.names) and time.time() < deadline:
+            if all(not a.alive for a in learners) or self.failure:
+                break
+            await asyncio.sleep(0.2)
+
+    async def _shutdown(self) -> None:
+        try:
+            await self.pub.send(Control(schema=SCHEMA_VERSION, command="stop", target="*", reason="shutdown"))
+            await asyncio.wait_for(self.pub.flush(), timeout=5)
+        except Exception:
+            pass  # the broker may already be gone; stop_all below still ends every child
+        await asyncio.to_thread(actors.stop_all, self.actors, 15.0)
+        self.sub.close()
+        self.pub.close()
+
+    async def _listen(self) -> None:
+        while True:
+            msg = await self.sub.recv()
+            if isinstance(msg, Experience):
+                self.samples[msg.model] = self.samples.get(msg.model, 0) + 1
+            elif isinstance(msg, WeightsReady) and msg.model in self.version:
+                self.version[msg.model] = max(self.version[msg.model], msg.version)
+                self.changed.set()
+
+    def _problems_for(self, batch_id: int) -> list[Problem]:
+        """Batch k holds the same global prompt ids for every model, so groups line up."""
+        if batch_id not in self._problems:
+            Q = self.cfg.train.prompts_per_step
+            ps = [self.task.problem(pid) for pid in range(batch_id * Q, (batch_id + 1) * Q)]
+            self._problems[batch_id] = [Problem(p.prompt_id, p.task, p.question, p.answer) for p in ps]
+        return self._problems[batch_id]
+
+    async def _schedule(self) -> None:
+        train, sync = self.cfg.train, self.cfg.run.mode == "sync"
+        ahead = 1 if sync else train.max_inflight_batches
+        while not self.stopping:
+            for name in self.names:
+                while self.issued[name] < train.steps and self.issued[name] - self.version[name] < ahead:
+                    k = self.issued[name]
+                    await self.pub.send(PromptBatch(
+                        schema=SCHEMA_VERSION, run_id=self.run_id, batch_id=k, model=name,
+                        group_size=train.group_size, problems=self._problems_for(k),
+                        min_weight_version=k if sync else 0,
+                    ))
+                    self.issued[name] += 1
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def _watch(self) -> None:
+        """Any child that dies with an error ends the run (a learner exits 0 after its final record)."""
+        seen: set[str] = set()
+        while True:
+            await asyncio.sleep(0.5)
+            for actor in self.actors:
+                if actor.alive or actor.name in seen:
+                    continue
+                seen.add(actor.name)
+                if actor.exitcode == 0 and (self.stopping or ".l" in actor.name):
+                    continue
+                self.failure = f"{actor.name} exited with code {actor.exitcode} while the run was going"
+                self.stopping = True
+                self.changed.set()
+                return
+
+    async def _tail(self, display: LiveDisplay) -> None:
+        tail = MetricsTail(self.run_dir / "metrics.jsonl")
+        while True:
+            for record in tail.read_new():
+                if record.get("event") == "final":
+                    self.finals[record["model"]] = record
+                    self.changed.set()
+                display.update(record)
+            display.refresh(self.samples)
+            await asyncio.sleep(0.5)
