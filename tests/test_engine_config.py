@@ -1,0 +1,94 @@
+"""Config loading: strict TOML, --set overrides, one clear error naming key and file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import load_run_config
+from engine.configload import ConfigError
+from engine.runfiles import write_resolved_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+
+
+def test_shipped_configs_load_and_round_trip(tmp_path):
+    for name in ("default.toml", "smoke.toml"):
+        cfg = load_run_config(ROOT / "configs" / name)
+        assert len(cfg.models) == 2
+        write_resolved_config(cfg, tmp_path)
+        assert load_run_config(tmp_path / "config.toml") == cfg
+
+
+def test_overrides_reach_nested_and_list_fields():
+    cfg = load_run_config(SMOKE, ["train.lr=3e-4", "models.1.n_layer=3", "objective.kind=grpo", "run.mode=sync"])
+    assert cfg.train.lr == 3e-4
+    assert cfg.models[1].n_layer == 3
+    assert cfg.objective.kind == "grpo"
+    assert cfg.run.mode == "sync"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[train]\nlr = 'fast'\n", "train.lr: expected float, got str"),
+        ("[train]\nlearning_rate = 0.1\n", "unknown field learning_rate"),
+        ("[objective]\nkind = 'ppo'\n", "objective"),
+        ("[[models]]\nname = 'a'\narch = 'rnn'\ntokenizer = 'gpt2'\n", "models.0.arch"),
+        ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: must be >= 1"),
+        ("[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "needs >= 2 models"),
+        ("this is = not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_configs_name_the_key_and_file(tmp_path, text, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(path) in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_bad_override_is_a_clear_error():
+    with pytest.raises(ConfigError, match="models.5: index must be 0..1"):
+        load_run_config(SMOKE, ["models.5.n_layer=3"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_run_config(SMOKE, ["train.lr"])
+
+
+def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_launch_exits_2_with_one_line_on_bad_config(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlr = 'fast'\n")
+    result = _launch("run", "--config", str(bad), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "train.lr" in result.stderr and str(bad) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
+    result = _launch("run", "--config", str(SMOKE), "--set", "models.0.checkpoint='/nonexistent/ckpt'",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "models.0.checkpoint" in result.stderr and "/nonexistent/ckpt" in result.stderr
+    result = _launch("run", "--config", str(SMOKE), "--set", "models.1.tokenizer='/nonexistent/tok'",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "models.1.tokenizer" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_help_lists_subcommands(tmp_path):
+    result = _launch("--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for word in ("run", "exchange"):
+        assert word in result.stdout
