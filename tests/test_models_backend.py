@@ -39,6 +39,17 @@ def _scored(model, prompt: list[int], sample: Sample, temperature: float = 1.0) 
         head.weight.data.copy_(original)
 
 
+def _constant_distribution(model, eos: int, vocab: int, p_eos: float) -> None:
+    """Make every step's next-token distribution p(EOS) = p_eos, the rest uniform."""
+    with torch.no_grad():  # a constant final hidden state h = e_0, whatever the input
+        h = torch.zeros(model.config.n_embd)
+        h[0] = 1.0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(h)
+        model.lm_head.weight.zero_()  # all logits 0 except EOS's
+        model.lm_head.weight[eos, 0] = math.log(p_eos * (vocab - 1) / (1 - p_eos))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_behaviour_logprobs_equal_token_logprobs_of_the_same_sequence(arch: str) -> None:
     _, model, backend, prompts = _setup(arch)
@@ -84,15 +95,8 @@ def test_seed_makes_sampling_reproducible() -> None:
 
 def test_each_sequence_stops_at_its_own_eos_which_is_kept_with_its_logprob() -> None:
     tokenizer, model, backend, prompts = _setup("gpt2", tie_embeddings=False)
-    eos = tokenizer.eos_token_id
-    p_eos = 0.3
-    with torch.no_grad():  # a constant final hidden state h: every step is the same distribution
-        h = torch.zeros(model.config.n_embd)
-        h[0] = 1.0
-        model.transformer.ln_f.weight.zero_()
-        model.transformer.ln_f.bias.copy_(h)
-        model.lm_head.weight.zero_()  # all other logits 0, EOS logit chosen for p(EOS) = 0.3
-        model.lm_head.weight[eos, 0] = math.log(p_eos * (len(tokenizer) - 1) / (1 - p_eos))
+    eos, p_eos = tokenizer.eos_token_id, 0.3
+    _constant_distribution(model, eos, len(tokenizer), p_eos)
     results = backend.generate(prompts, num_samples=20, max_new_tokens=6, temperature=1.0, seed=0)
     samples = [s for r in results for s in r]
     reasons = {s.finish_reason for s in samples}
@@ -106,6 +110,16 @@ def test_each_sequence_stops_at_its_own_eos_which_is_kept_with_its_logprob() -> 
             assert s.logprobs[-1] == pytest.approx(math.log(p_eos), abs=1e-4)
         else:
             assert len(s.completion_ids) == 6 and s.completion_ids[-1] != eos
+
+
+def test_samples_follow_the_distribution() -> None:
+    tokenizer, model, backend, prompts = _setup("gpt2", tie_embeddings=False)
+    _constant_distribution(model, tokenizer.eos_token_id, len(tokenizer), p_eos=0.3)
+    results = backend.generate(prompts, num_samples=300, max_new_tokens=1, temperature=1.0, seed=0)
+    first = [s.completion_ids[0] for r in results for s in r]
+    assert abs(first.count(tokenizer.eos_token_id) / len(first) - 0.3) < 0.06  # ~3 binomial sd
+    others = [t for t in first if t != tokenizer.eos_token_id]
+    assert len(set(others)) > 0.9 * len(others), "the rest is uniform over 50k tokens: few repeats"
 
 
 def test_load_state_dict_swaps_weights_and_version() -> None:
