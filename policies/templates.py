@@ -42,8 +42,10 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, arch: str, question: str) -> 
 def completion_text(answer_text: str) -> str:
     """The text a model should produce after the prompt: one space, then the answer.
 
-    The leading space matters for byte-level BPE (" 42" is one GPT-2 token, "42" after
-    "A:" is not how text is usually split) and is harmless for SentencePiece.
+    The same text for every family, so a peer's completion retokenized by the THL
+    (decode, then encode without special tokens) gives exactly the ids this family
+    generates itself: GPT-2 " 46" -> ["Ġ46"]; Mistral " 46" -> ["▁▁", "4", "6"]
+    (its dummy-prefix space plus ours; the THL strips the dummy prefix when decoding).
     """
     return " " + answer_text.strip()
 

@@ -1,0 +1,122 @@
+"""Warm start and evaluation: learning on worked solutions, the on-disk cache, held-out accuracy."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from engine.evaluation import EvalResult, evaluate
+from engine.warmstart import WarmStartConfig, WarmStartReport, _batch, warm_start
+from policies.backend import HFBackend
+from policies.logprobs import token_logprobs
+from policies.models import build_policy
+from tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+from tasks.countdown import CountdownConfig, CountdownTask
+from test_models_fixtures import pad_id, real_tokenizer, tiny_spec
+
+QUICK = WarmStartConfig(steps=15, batch_size=16, lr=3e-3, warmup_steps=2, seed=1)
+
+
+def _solution_nll(model, spec, tokenizer, task) -> float:
+    batch = _batch(spec, tokenizer, task, first_id=0, size=32)
+    with torch.no_grad():
+        return (-token_logprobs(model, *batch).sum() / batch[2].sum()).item()
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_warm_start_learns_and_is_cached_once(arch: str, tmp_path: Path) -> None:
+    spec = tiny_spec(arch)
+    tokenizer = real_tokenizer(spec.tokenizer)
+    task = CountdownTask(CountdownConfig())
+    before = _solution_nll(build_policy(spec, tokenizer, seed=QUICK.seed), spec, tokenizer, task)
+    model = warm_start(spec, tokenizer, task, QUICK, tmp_path, progress=False)
+    assert _solution_nll(model, spec, tokenizer, task) < before - 1.0
+    (entry,) = _entries(tmp_path)  # one finished directory, no temporary leftovers
+    report = msgspec.json.decode((tmp_path / entry / "warmstart.json").read_bytes(), type=WarmStartReport)
+    assert report.steps == QUICK.steps and math.isfinite(report.final_loss)
+    stamp = (tmp_path / entry / "model.safetensors").stat().st_mtime_ns
+    again = warm_start(spec, tokenizer, task, QUICK, tmp_path, progress=False)
+    assert (tmp_path / entry / "model.safetensors").stat().st_mtime_ns == stamp, "cache hit must not retrain"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, again.state_dict()[name]), name
+
+
+def test_cache_key_covers_spec_task_and_config_but_not_the_name(tmp_path: Path) -> None:
+    spec = tiny_spec("gpt2")
+    tokenizer = real_tokenizer("gpt2")
+    short = msgspec.structs.replace(QUICK, steps=2)
+    task = ArithmeticTask(ArithmeticConfig())
+    warm_start(spec, tokenizer, task, short, tmp_path, progress=False)
+    warm_start(msgspec.structs.replace(spec, name="renamed"), tokenizer, task, short, tmp_path, progress=False)
+    assert len(_entries(tmp_path)) == 1
+    warm_start(spec, tokenizer, task, msgspec.structs.replace(short, seed=2), tmp_path, progress=False)
+    warm_start(spec, tokenizer, ArithmeticTask(ArithmeticConfig(max_digits=3)), short, tmp_path, progress=False)
+    warm_start(msgspec.structs.replace(spec, n_layer=1), tokenizer, task, short, tmp_path, progress=False)
+    assert len(_entries(tmp_path)) == 4
+
+
+def test_corrupt_cache_entry_is_retrained_and_replaced(tmp_path: Path) -> None:
+    spec, tokenizer, task = tiny_spec("gpt2"), real_tokenizer("gpt2"), ArithmeticTask(ArithmeticConfig())
+    config = msgspec.structs.replace(QUICK, steps=2)
+    first = warm_start(spec, tokenizer, task, config, tmp_path, progress=False)
+    (entry,) = _entries(tmp_path)
+    weights = tmp_path / entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    second = warm_start(spec, tokenizer, task, config, tmp_path, progress=False)
+    assert _entries(tmp_path) == [entry]
+    assert torch.equal(first.lm_head.weight, second.lm_head.weight), "same seed, same steps: same weights"
+
+
+def test_time_budget_stops_training(tmp_path: Path) -> None:
+    spec, tokenizer, task = tiny_spec("llama"), real_tokenizer("mistral"), ArithmeticTask(ArithmeticConfig())
+    config = WarmStartConfig(steps=10**6, seconds=0.5, batch_size=4)
+    warm_start(spec, tokenizer, task, config, tmp_path, progress=False)
+    (entry,) = _entries(tmp_path)
+    report = msgspec.json.decode((tmp_path / entry / "warmstart.json").read_bytes(), type=WarmStartReport)
+    assert 1 <= report.steps < 10**6 and report.seconds < 30
+
+
+def test_too_long_problems_are_a_clear_error(tmp_path: Path) -> None:
+    spec = tiny_spec("gpt2", max_seq_len=8)
+    with pytest.raises(ValueError, match="more than its max_seq_len=8"):
+        warm_start(spec, real_tokenizer("gpt2"), CountdownTask(CountdownConfig()), QUICK, tmp_path, progress=False)
+    assert _entries(tmp_path) == []
+
+
+def test_evaluate_counts_verified_greedy_answers() -> None:
+    spec = tiny_spec("gpt2")
+    tokenizer = real_tokenizer("gpt2")
+    backend = HFBackend(build_policy(spec, tokenizer), tokenizer.eos_token_id, pad_id(tokenizer))
+    task = ArithmeticTask(ArithmeticConfig())
+    result = evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=4)
+    assert result == evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=7, max_new_tokens=4)
+    assert result.n == 40 and result.accuracy == 0.0 and result.stderr == 0.0  # untrained: gibberish
+
+    class AnswerEverything(ArithmeticTask):  # a real task whose verifier accepts any text
+        def verify(self, problem, completion_text):
+            return super().verify(problem, problem.answer if problem.prompt_id % 4 == 0 else "x")
+
+    half = evaluate(backend, tokenizer, "gpt2", AnswerEverything(ArithmeticConfig()), 40, max_new_tokens=2)
+    assert half == EvalResult(accuracy=0.25, stderr=math.sqrt(0.25 * 0.75 / 40), n=40)
+
+
+@pytest.mark.slow
+def test_stop_accuracy_leaves_room_for_rl(tmp_path: Path) -> None:
+    spec, tokenizer = tiny_spec("gpt2"), real_tokenizer("gpt2")
+    task = ArithmeticTask(ArithmeticConfig(min_digits=1, max_digits=1))
+    config = WarmStartConfig(steps=2000, batch_size=32, lr=1e-2, stop_accuracy=0.15, check_every=25, seed=0)
+    model = warm_start(spec, tokenizer, task, config, tmp_path, progress=False)
+    (entry,) = _entries(tmp_path)
+    report = msgspec.json.decode((tmp_path / entry / "warmstart.json").read_bytes(), type=WarmStartReport)
+    assert report.steps < 2000 and report.train_accuracy >= 0.15
+    backend = HFBackend(model, tokenizer.eos_token_id, pad_id(tokenizer))
+    train = evaluate(backend, tokenizer, "gpt2", task, 200, split="train", max_new_tokens=4)
+    assert 0.05 < train.accuracy < 0.9
