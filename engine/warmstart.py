@@ -70,6 +70,13 @@ def cache_key(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, c
     return hashlib.sha256(msgspec.json.encode(identity)).hexdigest()
 
 
+def warm_start_path(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig, cache_dir: str | Path
+) -> Path:
+    """The checkpoint directory warm_start reads or writes for these inputs."""
+    return Path(cache_dir) / f"warmstart-{spec.arch}-{cache_key(spec, tokenizer, task, config)[:20]}"
+
+
 def warm_start(
     spec: ModelSpec,
     tokenizer: PreTrainedTokenizerBase,
@@ -78,8 +85,9 @@ def warm_start(
     cache_dir: str | Path,
     progress: bool = True,
 ) -> PreTrainedModel:
-    """The warm-started policy: loaded from `cache_dir` if trained before, else trained and cached."""
-    path = Path(cache_dir) / f"warmstart-{spec.arch}-{cache_key(spec, tokenizer, task, config)[:20]}"
+    """The warm-started policy: loaded from `cache_dir` if trained before, else trained and cached
+    (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
+    path = warm_start_path(spec, tokenizer, task, config, cache_dir)
     if path.is_dir():
         try:
             return load_policy(path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.evaluation import EvalResult, evaluate
-from engine.warmstart import WarmStartConfig, WarmStartReport, _batch, warm_start
+from engine.warmstart import WarmStartConfig, WarmStartReport, _batch, warm_start, warm_start_path
 from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import build_policy
@@ -40,6 +40,7 @@ def test_warm_start_learns_and_is_cached_once(arch: str, tmp_path: Path) -> None
     model = warm_start(spec, tokenizer, task, QUICK, tmp_path, progress=False)
     assert _solution_nll(model, spec, tokenizer, task) < before - 1.0
     (entry,) = _entries(tmp_path)  # one finished directory, no temporary leftovers
+    assert warm_start_path(spec, tokenizer, task, QUICK, tmp_path) == tmp_path / entry
     report = msgspec.json.decode((tmp_path / entry / "warmstart.json").read_bytes(), type=WarmStartReport)
     assert report.steps == QUICK.steps and math.isfinite(report.final_loss)
     stamp = (tmp_path / entry / "model.safetensors").stat().st_mtime_ns
