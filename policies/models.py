@@ -8,9 +8,11 @@ in which case that checkpoint is loaded (and checked against the tokenizer) inst
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +27,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 
 class ModelLoadError(Exception):
@@ -125,7 +128,8 @@ def load_policy(path: str | os.PathLike) -> PreTrainedModel:
     if not weights:
         raise ModelLoadError(f"checkpoint directory {path} has no weights (*.safetensors)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a corrupt dir
         raise ModelLoadError(f"checkpoint directory {path} could not be loaded: {exc}") from exc
     return model.eval()
@@ -164,7 +168,8 @@ def save_policy(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with _quiet_transformers():
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
@@ -184,3 +189,15 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.rename(dst, old / dst.name)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No per-shard progress bars from transformers: the terminal belongs to the run's display."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
