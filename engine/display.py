@@ -97,4 +97,4 @@ def print_summary(cfg, preps, finals: dict[str, dict], samples: dict[str, int]) 
             str(f.get("step", "-")), str(samples.get(prep.model, 0)), str(f.get("peer_used", "-")),
             str(f.get("wall_s", "-")),
         )
-    Console().print(table)
+    Console(width=max(Console().width, 110)).print(table)

@@ -65,10 +65,12 @@ async def run(payload: bytes) -> int:
         weightsync.init_group, plan.weight_group, 1 + plan.worker_index, world, cfg.train.weight_sync_timeout_s
     )
     receiver = weightsync.WeightReceiver(model)
+    await pub.send(ready_stats(plan))
     inbox = _Inbox()
     listener = asyncio.create_task(_listen(sub, inbox, plan))
+    listener.add_done_callback(lambda _: inbox.changed.set())  # wake the worker to see the failure
     try:
-        await _work(plan, backend, receiver, tokenizer, task, pub, inbox)
+        await _work(plan, backend, receiver, tokenizer, task, pub, inbox, listener)
     finally:
         listener.cancel()
         sub.close()
@@ -90,20 +92,22 @@ async def _listen(sub: Subscriber, inbox: _Inbox, plan: WorkerPlan) -> None:
         inbox.changed.set()
 
 
-async def _next_batch(inbox: _Inbox) -> PromptBatch | None:
+async def _next_batch(inbox: _Inbox, listener: asyncio.Task) -> PromptBatch | None:
     while not inbox.stop and not inbox.batches:
+        if listener.done():
+            listener.result()  # re-raise what killed the listener
         inbox.changed.clear()
         await inbox.changed.wait()
     return None if inbox.stop else inbox.batches.popleft()
 
 
-async def _work(plan, backend, receiver, tokenizer, task, pub, inbox: _Inbox) -> None:
+async def _work(plan, backend, receiver, tokenizer, task, pub, inbox: _Inbox, listener: asyncio.Task) -> None:
     spec, train = plan.model, plan.config.train
     idle = 0.0
     window_start = time.time()
     while True:
         t0 = time.time()
-        batch = await _next_batch(inbox)
+        batch = await _next_batch(inbox, listener)
         if batch is None:
             return
         # Weight swap happens here, between batches, never inside one.
@@ -159,6 +163,12 @@ def _generate(plan: WorkerPlan, backend, tokenizer, task, batch: PromptBatch, ve
                 finish_reason=sample.finish_reason, created_at=started, generated_at=done,
             ))
     return out
+
+
+def ready_stats(plan: WorkerPlan) -> Stats:
+    """The first Stats a worker sends: it is subscribed and in its weight group, so work may flow."""
+    return Stats(schema=SCHEMA_VERSION, worker_id=plan.worker_id, role=plan.role, model=plan.model.name,
+                 time=time.time(), window_s=0.0)
 
 
 def _with_checkpoint(spec, checkpoint: str):

@@ -29,7 +29,6 @@ class Ingest:
         self.peer_counts: collections.Counter[tuple[str, int]] = collections.Counter()
         self.seen: set[str] = set()
         self._prompts: dict[int, np.ndarray] = {}
-        self._residuals: list[float] = []
         self.failures = 0
         self.late = 0
         self.last_popped: list[OwnSample] = []
@@ -59,11 +58,10 @@ class Ingest:
             return
         self.peer_counts[(exp.model, exp.prompt_id)] += 1
         try:
-            bridged = self.bridges[exp.model].bridge(exp.completion_array, logprobs=exp.logprob_array)
+            bridged = self.bridges[exp.model](exp.completion_array, logprobs=exp.logprob_array)
         except BridgeError:
             self.failures += 1  # counted, reported in metrics; the sample is not used
             return
-        self._residuals.append(float(bridged.residual))
         self.peers.setdefault(exp.prompt_id, []).append(PeerSample(
             model=exp.model, prompt_id=exp.prompt_id, prompt_ids=self._prompt(exp.prompt_id),
             completion_ids=np.asarray(bridged.dst_ids, dtype=np.int64),
@@ -85,32 +83,29 @@ class Ingest:
     def queued_own(self) -> int:
         return sum(len(g) for g in self.own.values())
 
-    def take_own_groups(self, n: int) -> list[int]:
-        """The n oldest complete own groups; from now on late peer samples for them are dropped."""
-        taken = [self.complete.popleft() for _ in range(min(n, len(self.complete)))]
-        self.consumed.update(taken)
-        return taken
+    def next_own_groups(self, n: int) -> list[int]:
+        """The prompt ids of the n oldest complete own groups (not yet removed)."""
+        return list(self.complete)[:n]
 
-    def peers_complete(self, prompts: list[int], models: list[str]) -> bool:
-        return all(self.peer_counts[(m, p)] >= self.G for m in models for p in prompts)
+    def take(self, prompts: list[int], peer_models: list[str]) -> tuple[list[OwnSample], list[PeerSample], int]:
+        """Remove a step's own and peer samples; from now on late peer samples for them are dropped.
 
-    def missing_peer_groups(self, prompts: list[int], models: list[str]) -> int:
-        return sum(self.peer_counts[(m, p)] < self.G for m in models for p in prompts)
-
-    def pop_own(self, prompts: list[int]) -> list[OwnSample]:
-        self.last_popped = [s for p in prompts for s in self.own.pop(p)]
-        return self.last_popped
-
-    def pop_peers(self, prompts: list[int]) -> list[PeerSample]:
-        out = [s for p in prompts for s in self.peers.pop(p, [])]
+        Returns (own samples, peer samples, number of (peer model, prompt) groups still incomplete).
+        """
+        misses = sum(self.peer_counts[(m, p)] < self.G for m in peer_models for p in prompts)
+        for _ in prompts:
+            self.complete.popleft()
+        self.consumed.update(prompts)
+        own = [s for p in prompts for s in self.own.pop(p)]
+        peers = [s for p in prompts for s in self.peers.pop(p, [])]
         for p in prompts:
             for m in self.bridges:
                 self.peer_counts.pop((m, p), None)
-        return out
+        self.last_popped = own
+        return own, peers, misses
 
-    def take_residual_mean(self) -> float | None:
-        vals, self._residuals = self._residuals, []
-        return sum(vals) / len(vals) if vals else None
+    def peers_complete(self, prompts: list[int], models: list[str]) -> bool:
+        return all(self.peer_counts[(m, p)] >= self.G for m in models for p in prompts)
 
     @staticmethod
     def scalars_only(p: PeerSample) -> PeerSample:

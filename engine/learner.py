@@ -22,6 +22,7 @@ from engine import weightsync
 from engine.config import tokenizer_cache
 from engine.batching import PeerSample, build_batch
 from engine.evaluation import evaluate
+from engine.generator import ready_stats
 from engine.ingest import Ingest
 from engine.metrics import MetricsWriter
 from engine.plan import WorkerPlan
@@ -81,9 +82,11 @@ class Learner:
         self.pub = Publisher(plan.broker_in)
         await self.sub.ready()
         self.listener = asyncio.create_task(self._listen())
+        self.listener.add_done_callback(lambda _: self.arrived.set())  # wake train() to see a failure
         world = 1 + self.spec.generators
         await asyncio.to_thread(weightsync.init_group, plan.weight_group, 0, world, self.cfg.train.weight_sync_timeout_s)
         self.sender = weightsync.WeightSender(self.model)
+        await self.pub.send(ready_stats(plan))
         self.metrics.write(event="start", step=0, weight_version=0, **plan.warm_eval)
 
     def close(self) -> None:
@@ -110,6 +113,8 @@ class Learner:
         """Wait until predicate() or stop or timeout; True if predicate holds."""
         deadline = None if timeout is None else time.time() + timeout
         while not predicate():
+            if self.listener.done():
+                self.listener.result()  # re-raise what killed the listener: never train on a dead inbox
             if self.stop_requested:
                 return False
             left = None if deadline is None else deadline - time.time()
@@ -129,7 +134,7 @@ class Learner:
             t_wait = time.time()
             if not await self._wait(lambda: self.ingest.complete_own_groups() >= Q):
                 break
-            prompts = self.ingest.take_own_groups(Q)
+            prompts = self.ingest.next_own_groups(Q)
             peer_wait = 0.0
             if self.cfg.objective.kind != "grpo":
                 t_peer = time.time()
@@ -137,16 +142,14 @@ class Learner:
                 await self._wait(lambda: self.ingest.peers_complete(prompts, alive()), train.peer_deadline_s)
                 peer_wait = time.time() - t_peer
             idle = time.time() - t_wait
-            record = await asyncio.to_thread(self._step, prompts)
+            own, peers, misses = self.ingest.take(prompts, list(self.peer_version))
+            record = await asyncio.to_thread(self._step, prompts, own, peers, misses)
             record.update(idle_s=round(idle, 4), peer_wait_s=round(peer_wait, 4))
             await self._after_step(record)
         await self._finish()
 
-    def _step(self, prompts: list[int]) -> dict:
+    def _step(self, prompts: list[int], own: list, peers_all: list[PeerSample], misses: int) -> dict:
         t0 = time.time()
-        misses = self.ingest.missing_peer_groups(prompts, list(self.peer_version))
-        own = self.ingest.pop_own(prompts)
-        peers_all = self.ingest.pop_peers(prompts)
         peers = self._peers_for_objective(own, peers_all)
         batch = build_batch(self.model, own, peers, prompts, self.version, self.pad_id, self.peer_version)
         loss, stats = compute_loss(batch, self.cfg.objective, self.rng)
@@ -166,7 +169,8 @@ class Learner:
             step=self.version, weight_version=self.version, reward_mean=sum(rewards) / max(len(rewards), 1),
             solve_rate=sum(s.verified for s in own) / max(len(own), 1),
             staleness_mean=sum(self.version - 1 - s.weight_version for s in own) / max(len(own), 1),
-            thl_residual_mean=self.ingest.take_residual_mean(), thl_failures=self.ingest.failures,
+            thl_residual_mean=(sum(p.residual for p in peers_all) / len(peers_all)) if peers_all else None,
+            thl_failures=self.ingest.failures, peer_late=self.ingest.late,
             peer_batch=len(peers_all), grad_norm=float(grad_norm), step_s=round(time.time() - t0, 4),
             **self.totals, **{f"obj/{k}": float(v) for k, v in stats.items()},
         )

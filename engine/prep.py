@@ -16,7 +16,7 @@ import msgspec
 
 from engine.config import ModelConfig, RunConfig, tokenizer_cache
 from engine.evaluation import evaluate
-from engine.warmstart import cache_key, warm_start
+from engine.warmstart import warm_start, warm_start_path
 from policies.backend import HFBackend
 from policies.models import ModelSpec
 from tasks.registry import make_task
@@ -54,7 +54,7 @@ def prepare_model(payload: bytes) -> int:
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     model = warm_start(spec, tokenizer, task, cfg.warmstart, warm_dir, progress=plan.progress)
-    checkpoint = warm_dir / f"warmstart-{spec.arch}-{cache_key(spec, tokenizer, task, cfg.warmstart)[:20]}"
+    checkpoint = warm_start_path(spec, tokenizer, task, cfg.warmstart, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec, task, cfg, checkpoint)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr, eval_n=n)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))

@@ -122,6 +122,8 @@ class Supervisor:
         self.issued = {n: 0 for n in self.names}
         self.version = {n: 0 for n in self.names}
         self.samples = {n: 0 for n in self.names}
+        self.ready: set[str] = set()
+        self.expected: set[str] = set()
         self.finals: dict[str, dict] = {}
         self.changed = asyncio.Event()
         self.stopping = False
@@ -174,6 +176,7 @@ class Supervisor:
                                   role=role, worker_index=index, broker_in=self.broker_in, broker_out=self.broker_out,
                                   weight_group=group, warm_checkpoint=prep.checkpoint, warm_eval=warm)
                 self.actors.append(actors.spawn(plan.worker_id, f"engine.{role}:run", plan.encode(), threads))
+                self.expected.add(plan.worker_id)
 
     async def _supervise(self) -> None:
         display = LiveDisplay(self.cfg, self.preps)
@@ -223,6 +226,9 @@ class Supervisor:
             msg = await self.sub.recv()
             if isinstance(msg, Experience):
                 self.samples[msg.model] = self.samples.get(msg.model, 0) + 1
+            elif isinstance(msg, Stats) and msg.worker_id in self.expected and msg.worker_id not in self.ready:
+                self.ready.add(msg.worker_id)
+                self.changed.set()
             elif isinstance(msg, WeightsReady) and msg.model in self.version:
                 self.version[msg.model] = max(self.version[msg.model], msg.version)
                 self.changed.set()
@@ -238,6 +244,9 @@ class Supervisor:
     async def _schedule(self) -> None:
         train, sync = self.cfg.train, self.cfg.run.mode == "sync"
         ahead = 1 if sync else train.max_inflight_batches
+        while self.ready != self.expected:  # a batch sent before its generator subscribed would be lost
+            self.changed.clear()
+            await self.changed.wait()
         while not self.stopping:
             for name in self.names:
                 while self.issued[name] < train.steps and self.issued[name] - self.version[name] < ahead:
