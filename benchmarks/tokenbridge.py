@@ -49,10 +49,10 @@ CODE = (
     "result = [k ** 2 for k in range({c}) if k % {b} == 0]\nprint(result)\n",
 )
 FOREIGN = (
-    "\u89e3\uff1a\u8bbe\u6bcf\u4e2a\u5b66\u751f\u6709 {a} \u4e2a\u82f9\u679c\uff0c\u90a3\u4e48\u4e00\u5171\u6709 {ab} \u4e2a\u3002",
-    "\u041e\u0442\u0432\u0435\u0442: \u0441\u0443\u043c\u043c\u0430 \u0440\u0430\u0432\u043d\u0430 {d}, \u043f\u043e\u0442\u043e\u043c\u0443 \u0447\u0442\u043e {a} + {b} = {apb}. ",
-    "\u0627\u0644\u062c\u0648\u0627\u0628 \u0647\u0648 {d} \u0644\u0623\u0646 {a} \u0632\u0627\u0626\u062f {b}. ",
-    "\u3053\u308c\u306f\u30c6\u30b9\u30c8\u3067\u3059 {a}\u3002 Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \U0001f600\U0001f44d\U0001f3fd ",
+    "解：设每个学生有 {a} 个苹果，那么一共有 {ab} 个。",
+    "Ответ: сумма равна {d}, потому что {a} + {b} = {apb}. ",
+    "الجواب هو {d} لأن {a} زائد {b}. ",
+    "これはテストです {a}。 Café naïve résumé 😀👍🏽 ",
 )
 FAMILIES = (PROSE, MATH, CODE, FOREIGN)
 
@@ -145,13 +145,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", default=None, help="tokenizer conversion cache (default: $MUTUAL_RL_CACHE)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    n_texts, rounds = (24, 5) if args.quick else (120, 9)
+    n_texts, rounds = (24, 8) if args.quick else (120, 9)
     started = time.perf_counter()
     pairs = {}
     for src_name, dst_name in PAIRS:
-        pairs[f"{src_name}->{dst_name}"] = row = bench_pair(src_name, dst_name, args.cache_dir, n_texts, rounds, args.seed)
-        print(f"{src_name:>8} -> {dst_name:<8} bridge {row['tokens_per_s']:>9,} tok/s  encode {row['encode_only_tokens_per_s']:>9,} tok/s"
-              f"  ratio {row['ratio']:.3f} (median {row['median_ratio']:.3f})  residual {row['mean_residual']:.3f}")
+        row = bench_pair(src_name, dst_name, args.cache_dir, n_texts, rounds, args.seed)
+        pairs[f"{src_name}->{dst_name}"] = row
+        print(
+            f"{src_name:>8} -> {dst_name:<8} bridge {row['tokens_per_s']:>9,} tok/s"
+            f"  encode {row['encode_only_tokens_per_s']:>9,} tok/s  ratio {row['ratio']:.3f}"
+            f" (median {row['median_ratio']:.3f})  residual {row['mean_residual']:.3f}"
+        )
     worst = min(row["ratio"] for row in pairs.values())
     summary = {
         "benchmark": "tokenbridge",

@@ -17,6 +17,8 @@ import numpy as np
 
 from tokenbridge.errors import AlignmentError
 
+EMPTY_SIDE = "a character span has tokens on one side only; the two tokenizations do not cover the same text"
+
 
 @dataclass(frozen=True, eq=False)
 class Groups:
@@ -97,20 +99,30 @@ def align(
     common[0] = True
     common[n_bytes] = False  # the end closes the last group; tokens of zero length there join it
     group_at = np.cumsum(common)  # (L+1,) 1 + index of the group each byte belongs to
-    src_group = group_at[src_starts] - 1
-    dst_group = group_at[dst_starts] - 1
+    src_group = group_at[src_starts]
+    src_group -= 1
+    dst_group = group_at[dst_starts]
+    dst_group -= 1
     n_groups = int(group_at[n_bytes])
     n_src = np.bincount(src_group, minlength=n_groups)
     n_dst = np.bincount(dst_group, minlength=n_groups)
-    if n_src.min() == 0 or n_dst.min() == 0:  # cannot happen for well-formed inputs; never pass it on silently
-        raise AlignmentError("a character span has tokens on one side only; the tokenizations do not cover the same text")
+    if dst_cut is not None and n_dst.min() == 0:  # gap-free sides cannot leave a group empty; offsets could
+        raise AlignmentError(EMPTY_SIDE)
     cuts = np.flatnonzero(common)
-    chars = chars_before(np.append(cuts, n_bytes), char_starts)
-    group_chars = np.diff(chars)
-    inexact = (n_src != 1) | (n_dst != 1)
-    residual = float(group_chars[inexact].sum()) / float(chars[-1])
-    groups = Groups(src=_bounds(n_src), dst=_bounds(n_dst), chars=chars)
-    return SpanAlignment(src_group, dst_group, groups, residual)
+    cuts = np.append(cuts, n_bytes)
+    if char_starts is None:
+        chars = cuts
+    else:  # every cut starts a character, so the characters before it are the inclusive count minus one
+        chars = np.cumsum(char_starts)[cuts]
+        chars -= 1
+    groups = Groups(_bounds(n_src), _bounds(n_dst), chars)
+    return SpanAlignment(src_group, dst_group, groups, _residual(n_src, n_dst, chars))
+
+
+def _residual(n_src: np.ndarray, n_dst: np.ndarray, chars: np.ndarray) -> float:
+    """Fraction of characters in groups that are not one-to-one (counts are >= 1, so a product of 1 means 1:1)."""
+    inexact = (n_src * n_dst) != 1
+    return float(np.diff(chars) @ inexact) / float(chars[-1])
 
 
 def _bounds(counts: np.ndarray) -> np.ndarray:
@@ -148,8 +160,7 @@ def align_normalized(
     n_src = np.bincount(src_group, minlength=n_groups)
     n_dst = np.bincount(dst_group, minlength=n_groups)
     if n_src.min() == 0 or n_dst.min() == 0:
-        raise AlignmentError("a character span has tokens on one side only; the tokenizations do not cover the same text")
+        raise AlignmentError(EMPTY_SIDE)
     chars = chars_before(np.append(cuts_orig, n_bytes), char_starts)
-    inexact = (n_src != 1) | (n_dst != 1)
-    residual = float(np.diff(chars)[inexact].sum()) / float(chars[-1])
-    return SpanAlignment(src_group, dst_group, Groups(src=_bounds(n_src), dst=_bounds(n_dst), chars=chars), residual)
+    groups = Groups(_bounds(n_src), _bounds(n_dst), chars)
+    return SpanAlignment(src_group, dst_group, groups, _residual(n_src, n_dst, chars))

@@ -130,15 +130,16 @@ class Bridge:
             raise EmptyCompletionError("src_ids is empty: there is no completion to bridge")
         if ids.dtype.kind not in "iu":
             raise InvalidTokenIdError(f"src_ids must be integers, got dtype {ids.dtype}")
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.src.vocab_size or (self.src.has_holes and not self.src.valid[ids].all()):
+        ids = ids.astype(np.int64, copy=False)
+        # one reduction checks both ends: viewed as unsigned, negative ids are huge
+        too_big = int(ids.view(np.uint64).max()) >= self.src.vocab_size
+        if too_big or (self.src.has_holes and not self.src.valid[ids].all()):
             bad = (ids < 0) | (ids >= self.src.vocab_size)
             bad |= ~self.src.valid[np.clip(ids, 0, self.src.vocab_size - 1)]
             pos = int(np.argmax(bad))
             raise InvalidTokenIdError(
                 f"src_ids[{pos}] = {int(ids[pos])} is outside the source vocabulary (size {self.src.vocab_size})"
             )
-        ids = ids.astype(np.int64, copy=False)
         lp = None
         if logprobs is not None:
             try:
@@ -169,7 +170,10 @@ class Bridge:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached, True
-        aligned = identity(self.src, ids) if self.identity else retokenize(self.src, self.dst, self._encoder, ids, self.dst_eos_id)
+        if self.identity:
+            aligned = identity(self.src, ids)
+        else:
+            aligned = retokenize(self.src, self.dst, self._encoder, ids, self.dst_eos_id)
         if self.cache_size:
             self._cache[key] = aligned
             if len(self._cache) > self.cache_size:

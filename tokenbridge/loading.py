@@ -135,7 +135,8 @@ def _load_builtin(name: str, cache_dir: str | os.PathLike | None) -> PreTrainedT
         shutil.rmtree(target, ignore_errors=True)
     tok = build(sources)
     if not _check_hello(name, tok):
-        raise TokenizerLoadError(f"converted {name!r} tokenizer does not encode 'Hello world' as {EXPECTED_HELLO[name]}")
+        expected = EXPECTED_HELLO[name]
+        raise TokenizerLoadError(f"converted {name!r} tokenizer does not encode 'Hello world' as {expected}")
     _save_atomically(tok, root, target)
     return tok
 
@@ -170,7 +171,9 @@ def _load_directory(path: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_tokenizer(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+def load_tokenizer(
+    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+) -> PreTrainedTokenizerFast:
     """A fast tokenizer for "gpt2", "mistral", "qwen2" or a local save_pretrained directory.
 
     cache_dir: where converted built-ins are kept (default `default_cache_dir()`); unused for directories.

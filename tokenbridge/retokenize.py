@@ -63,7 +63,8 @@ def private_encoder(backend: Tokenizer, profile: VocabProfile) -> Tokenizer:
 
 def _frozen(aligned: Aligned) -> Aligned:
     span = aligned.span
-    for array_ in (aligned.dst_ids, span.src_group, span.dst_group, span.groups.src, span.groups.dst, span.groups.chars):
+    groups = span.groups
+    for array_ in (aligned.dst_ids, span.src_group, span.dst_group, groups.src, groups.dst, groups.chars):
         array_.flags.writeable = False
     return aligned
 
@@ -107,7 +108,9 @@ def split_eos(profile: VocabProfile, ids: np.ndarray, dst_eos_id: int | None) ->
             " tokens (EOS) can cross the bridge"
         )
     if dst_eos_id is None:
-        raise SpecialTokenError("the completion ends with EOS but the destination tokenizer has no EOS; pass dst_eos_id")
+        raise SpecialTokenError(
+            "the completion ends with EOS but the destination tokenizer has no EOS token; pass Bridge(dst_eos_id=...)"
+        )
     return body, n_end
 
 
@@ -139,15 +142,17 @@ def retokenize(
     char_starts = char_start_mask(raw)
     dst_raw, dst_starts = dst.gather(dst_ids)
     shift = len(dst_raw) - len(raw)
-    if dst.exact and (shift == 0 or (shift == 1 and dst.strips_leading_space and dst_raw[:1] == b" ")) and dst_raw.endswith(raw):
+    dummy_prefix = shift == 1 and dst.strips_leading_space and dst_raw[:1] == b" "
+    if dst.exact and (shift == 0 or dummy_prefix) and dst_raw.endswith(raw):
         if shift:
             dst_starts -= 1
             np.maximum(dst_starts, 0, out=dst_starts)
         span = align(src_starts, dst_starts, None, len(raw), char_starts)
     elif dst.exact and dst.unicode_form and not dst.strips_leading_space:
-        span = _align_normalized(dst.unicode_form, text, raw, dst_raw, src_starts, dst_starts, char_starts)
+        span = _align_normalized(dst.unicode_form, raw, dst_raw, src_starts, dst_starts, char_starts)
     else:
-        span = _align_by_offsets(encoder.encode(text, add_special_tokens=False), src_starts, raw, char_starts, dst.composes)
+        encoding = encoder.encode(text, add_special_tokens=False)
+        span = _align_by_offsets(encoding, src_starts, raw, char_starts, dst.composes)
     if n_end:
         span, dst_ids = _with_eos(span, dst_ids, n_end, dst_eos_id)
     return _frozen(Aligned(text, dst_ids, span, np.diff(span.groups.dst).astype(np.float64), bool(n_end)))
@@ -162,7 +167,9 @@ def _separable_positions(raw: bytes) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
-def _align_normalized(form: str, text: str, raw: bytes, dst_raw: bytes, src_starts, dst_starts, char_starts) -> SpanAlignment:
+def _align_normalized(
+    form: str, raw: bytes, dst_raw: bytes, src_starts: np.ndarray, dst_starts: np.ndarray, char_starts
+) -> SpanAlignment:
     """The destination tokenized unicodedata.normalize(form, text): map separable positions into the
     normalised text (normalising only the non-ASCII runs), check it is byte-identical, then align."""
     safe = _separable_positions(raw)
@@ -194,7 +201,9 @@ def _align_by_offsets(encoding: Encoding, src_starts, raw: bytes, char_starts, c
     return align(src_starts, dst_starts, dst_cut, len(raw), char_starts)
 
 
-def _with_eos(span: SpanAlignment, dst_ids: np.ndarray, n_end: int, dst_eos_id: int) -> tuple[SpanAlignment, np.ndarray]:
+def _with_eos(
+    span: SpanAlignment, dst_ids: np.ndarray, n_end: int, dst_eos_id: int
+) -> tuple[SpanAlignment, np.ndarray]:
     """Append the EOS group: n_end source end tokens -> one destination EOS, zero characters."""
     g, groups = len(span.groups), span.groups
     eos_groups = Groups(

@@ -19,7 +19,9 @@ def build_learner_sequence(
     """(input_ids (T,) int64, loss_mask (T,) bool, behaviour_logprobs (T,) float64 or None), T = P + n_dst."""
     prompt = np.asarray(prompt_ids)
     if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
-        raise InvalidTokenIdError(f"prompt_ids must be a 1-D sequence of integer ids, got shape {prompt.shape}, dtype {prompt.dtype}")
+        raise InvalidTokenIdError(
+            f"prompt_ids must be a 1-D sequence of integer ids, got shape {prompt.shape}, dtype {prompt.dtype}"
+        )
     if prompt.size and prompt.min() < 0:
         raise InvalidTokenIdError(f"prompt_ids[{int(np.argmin(prompt))}] is negative")
     n_prompt = len(prompt)
