@@ -229,6 +229,7 @@ class Learner:
         self.metrics.write(
             event="final", step=self.version, weight_version=self.version,
             accuracy=result.accuracy, accuracy_stderr=result.stderr, eval_n=result.n,
-            wall_s=round(time.time() - self.started, 2), checkpoint=ckpt, stopped_early=self.stop_requested,
+            wall_s=round(time.time() - self.started, 2), checkpoint=ckpt, warm_checkpoint=self.plan.warm_checkpoint,
+            stopped_early=self.stop_requested,
             **self.plan.warm_eval, **self.totals,
         )

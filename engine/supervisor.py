@@ -14,6 +14,7 @@ no socket outlives the run.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import sys
@@ -177,6 +178,12 @@ class Supervisor:
                                   weight_group=group, warm_checkpoint=prep.checkpoint, warm_eval=warm)
                 self.actors.append(actors.spawn(plan.worker_id, f"engine.{role}:run", plan.encode(), threads))
                 self.expected.add(plan.worker_id)
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        """pids.json: which process is which (for operators, and for tests that kill one)."""
+        pids = {a.name: a.process.pid for a in self.actors}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=1) + "\n")
 
     async def _supervise(self) -> None:
         display = LiveDisplay(self.cfg, self.preps)
