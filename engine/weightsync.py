@@ -144,8 +144,8 @@ class WeightSender:
                     if self._closed:
                         return
                     version = self._staged_version
-                    for src, dst in zip(self._staging.buffers, self._wire.buffers):
-                        dst.copy_(src)
+                    # Swap, don't copy: publish() packs into the other buffer while this one is on the wire.
+                    self._staging, self._wire = self._wire, self._staging
                 _broadcast_buffers(self._wire.buffers, version)
                 self._sent_version = version
                 self.broadcasts += 1

@@ -1,0 +1,84 @@
+"""Asynchronous vs synchronous RL: the same steps of the smoke workload, both ways, one run.
+
+Synchronous (``run.mode=sync``): a generator may start batch k only with the weights
+of learner step k, so generation and training alternate. Asynchronous (the default):
+generators run up to ``train.max_inflight_batches`` ahead, overlapping generation
+with training. Each is a real ``launch.py run`` (broker, learners, generators); the
+time compared is the RL phase only: from the learners' start records to their last
+step (warm start, process start-up and final evaluation excluded, as they are equal).
+
+    python -m benchmarks.async_speedup [--steps 20] [--quick] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import tomli_w
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rl_phase_seconds(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = min(r["time"] for r in records if r.get("event") == "start")
+    end = max(r["time"] for r in records if r.get("event") == "step")
+    return end - start
+
+
+def workload(models: int, workdir: Path) -> Path:
+    """The smoke config, keeping its first ``models`` models (one model trains solo with GRPO)."""
+    tree = tomllib.loads((ROOT / "configs" / "smoke.toml").read_text())
+    tree["models"] = tree["models"][:models]
+    if models == 1:
+        tree["objective"] = {"kind": "grpo"}
+    path = workdir / f"workload-{models}.toml"
+    path.write_text(tomli_w.dumps(tree))
+    return path
+
+
+def run_once(mode: str, steps: int, config: Path, extra: list[str]) -> float:
+    run_dir = config.parent / f"{config.stem}-{mode}"
+    args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config),
+            "--run-dir", str(run_dir), "--set", f"run.mode={mode}", "--set", f"train.steps={steps}",
+            "--set", "eval.every_steps=0", "--set", "run.max_minutes=30"]
+    for item in extra:
+        args += ["--set", item]
+    print(f"[{mode}] {' '.join(args[1:])}", flush=True)
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-3000:] + result.stderr[-3000:])
+        raise SystemExit(f"the {mode} run failed with exit code {result.returncode}")
+    seconds = rl_phase_seconds(run_dir)
+    print(f"[{mode}] RL phase {seconds:.1f} s for {steps} steps per model", flush=True)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="learner steps per model (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="8 steps")
+    parser.add_argument("--models", type=int, default=1, choices=(1, 2),
+                        help="1: the smoke workload's first model alone (default); 2: both models, which in sync mode "
+                             "already keep both cores of a 2-core machine busy")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for both runs (repeatable)")
+    args = parser.parse_args(argv)
+    steps = 8 if args.quick else args.steps
+    with tempfile.TemporaryDirectory(prefix="async-speedup-") as tmp:
+        config = workload(args.models, Path(tmp))
+        sync_s = run_once("sync", steps, config, args.overrides)
+        async_s = run_once("async", steps, config, args.overrides)
+    print(json.dumps({"sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(sync_s / async_s, 3),
+                      "steps": steps, "models": args.models, "overrides": args.overrides}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
