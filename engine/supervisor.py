@@ -167,6 +167,8 @@ class Supervisor:
         self.pub = Publisher(self.broker_in)
         self.sub = Subscriber(self.broker_out, ["weights.", "stats", "exp."], name="supervisor", lossless=False)
         await self.sub.ready(timeout=60)
+        (self.run_dir / "endpoints.json").write_text(json.dumps({"publish": self.broker_in, "subscribe": self.broker_out}) + "\n")
+        print(f"watch the experience stream: python launch.py exchange tail --connect {self.broker_out}", flush=True)
         threads = self.cfg.train.threads_per_process
         for i, (m, prep) in enumerate(zip(self.cfg.models, self.preps)):
             group = f"tcp://127.0.0.1:{free_port()}"
