@@ -64,7 +64,7 @@ async def run(payload: bytes) -> int:
     await asyncio.to_thread(
         weightsync.init_group, plan.weight_group, 1 + plan.worker_index, world, cfg.train.weight_sync_timeout_s
     )
-    receiver = weightsync.WeightReceiver(model)
+    receiver = weightsync.WeightReceiver(model, shm_slots=weightsync.data_plane(plan.weight_group, model))
     await pub.send(ready_stats(plan))
     inbox = _Inbox()
     listener = asyncio.create_task(_listen(sub, inbox, plan))

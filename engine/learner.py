@@ -85,7 +85,7 @@ class Learner:
         self.listener.add_done_callback(lambda _: self.arrived.set())  # wake train() to see a failure
         world = 1 + self.spec.generators
         await asyncio.to_thread(weightsync.init_group, plan.weight_group, 0, world, self.cfg.train.weight_sync_timeout_s)
-        self.sender = weightsync.WeightSender(self.model)
+        self.sender = weightsync.WeightSender(self.model, shm_slots=weightsync.data_plane(plan.weight_group, self.model))
         await self.pub.send(ready_stats(plan))
         self.metrics.write(event="start", step=0, weight_version=0, **plan.warm_eval)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine import actors
+from engine import actors, weightsync
 from engine.config import RunConfig, cache_root, load_run_config, tokenizer_cache
 from engine.configload import ConfigError
 from engine.display import LiveDisplay, print_summary
@@ -130,6 +130,7 @@ class Supervisor:
         self.stopping = False
         self.failure: str | None = None
         self.actors: list[actors.Actor] = []
+        self.groups: list[str] = []  # weight-sync group endpoints (their shm slots are removed at the end)
         self._problems: dict[int, list[Problem]] = {}
 
     async def run(self) -> int:
@@ -172,6 +173,7 @@ class Supervisor:
         threads = self.cfg.train.threads_per_process
         for i, (m, prep) in enumerate(zip(self.cfg.models, self.preps)):
             group = f"tcp://127.0.0.1:{free_port()}"
+            self.groups.append(group)
             warm = {"warm_accuracy": prep.warm_accuracy, "warm_accuracy_stderr": prep.warm_accuracy_stderr}
             roles = [("learner", 0)] + [("generator", g) for g in range(m.generators)]
             for role, index in roles:
@@ -227,6 +229,9 @@ class Supervisor:
         except Exception:
             pass  # the broker may already be gone; stop_all below still ends every child
         await asyncio.to_thread(actors.stop_all, self.actors, 15.0)
+        for group in self.groups:  # a learner that was killed could not remove its slots
+            for path in weightsync.shm_paths(group):
+                Path(path).unlink(missing_ok=True)
         self.sub.close()
         self.pub.close()
 

@@ -2,8 +2,14 @@
 
 One process group per model: the learner is rank 0, its generators ranks 1..n
 (gloo on CPU, NCCL when the tensors live on a GPU). A sync is a broadcast of a
-header ``[version, n_buckets]`` followed by the parameters packed into flat
-buckets of at most ``bucket_bytes``.
+header ``[version, n_buckets, slot]`` followed by the data plane:
+
+- bucketed broadcast (any host, GPU or CPU): the parameters packed into flat
+  buckets of at most ``bucket_bytes``, each broadcast through torch.distributed;
+- shared memory (every rank on this host, CPU weights): the learner packs into one
+  of two ``/dev/shm`` slots, generators copy straight out of it, and a barrier on
+  the group releases the slot. The bytes cross the process boundary once instead
+  of through loopback TCP; torch.distributed still orders and times every sync.
 
 Invariants (why nobody hangs and nobody trains on mixed weights):
 - The learner never blocks on its generators: ``WeightSender.publish`` copies the
@@ -20,8 +26,8 @@ Invariants (why nobody hangs and nobody trains on mixed weights):
 from __future__ import annotations
 
 import datetime
+import os
 import threading
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -70,18 +76,25 @@ def _bucket_layout(params: list[torch.Tensor], bucket_bytes: int) -> list[list[i
 
 
 class _FlatBuckets:
-    """Preallocated flat buffers mirroring a list of same-dtype parameters."""
+    """Flat buffers mirroring a list of same-dtype parameters, as views of one storage.
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
+    ``storage`` is allocated here, or mapped from a shared-memory file (``shm_path``)
+    so that another process on the same host can read the same bytes.
+    """
+
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, shm_path: str | None = None):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"weight sync expects one dtype for all parameters, got {sorted(map(str, dtypes))}")
         self.layout = _bucket_layout(params, bucket_bytes)
-        self.buffers = [
-            torch.empty(sum(params[i].numel() for i in idx), dtype=params[0].dtype, device=params[0].device)
-            for idx in self.layout
-        ]
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+        sizes = [sum(params[i].numel() for i in idx) for idx in self.layout]
+        total, dtype = sum(sizes), params[0].dtype
+        if shm_path is None:
+            self.storage = torch.empty(total, dtype=dtype, device=params[0].device)
+        else:
+            self.storage = torch.from_file(shm_path, shared=True, size=total, dtype=dtype)
+        self.buffers = list(torch.split(self.storage, sizes))
+        self.nbytes = total * self.storage.element_size()
 
     def pack(self, params: list[torch.Tensor]) -> None:
         for idx, buf in zip(self.layout, self.buffers):
@@ -96,6 +109,21 @@ class _FlatBuckets:
                 offset += n
 
 
+def shm_paths(group_endpoint: str) -> list[str]:
+    """The two shared-memory slots of a weight group (double buffer), named after its endpoint."""
+    key = "".join(c if c.isalnum() else "-" for c in group_endpoint.split("://")[-1])
+    return [f"/dev/shm/mutual-rl-weights-{key}-{slot}" for slot in (0, 1)]
+
+
+def data_plane(group_endpoint: str, model: torch.nn.Module) -> list[str] | None:
+    """Shared-memory slots when every rank is on this host and the weights are on the CPU, else None."""
+    host = group_endpoint.split("://")[-1].rsplit(":", 1)[0]
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if on_cpu and host in ("127.0.0.1", "localhost") and os.path.isdir("/dev/shm"):
+        return shm_paths(group_endpoint)
+    return None
+
+
 def _sync_params(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters in a stable order, tied weights counted once."""
     seen: set[int] = set()
@@ -108,12 +136,19 @@ def _sync_params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 class WeightSender:
-    """Learner side (rank 0): snapshot on publish, broadcast in a background thread."""
+    """Learner side (rank 0): snapshot on publish, send in a background thread.
 
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    ``shm_slots``: two shared-memory paths (``shm_paths``) for the same-host data plane;
+    None sends the buckets themselves through torch.distributed.
+    """
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 shm_slots: list[str] | None = None):
         self._params = _sync_params(model)
-        self._staging = _FlatBuckets(self._params, bucket_bytes)
-        self._wire = _FlatBuckets(self._params, bucket_bytes)
+        self._shm = shm_slots
+        slots = shm_slots or [None, None]
+        self._slots = [_FlatBuckets(self._params, bucket_bytes, path) for path in slots]
+        self._staging, self._wire = self._slots
         self._cond = threading.Condition()
         self._staged_version = -1
         self._sent_version = -1
@@ -144,9 +179,16 @@ class WeightSender:
                     if self._closed:
                         return
                     version = self._staged_version
-                    # Swap, don't copy: publish() packs into the other buffer while this one is on the wire.
+                    # Swap, don't copy: publish() packs into the other slot while this one is read.
                     self._staging, self._wire = self._wire, self._staging
-                _broadcast_buffers(self._wire.buffers, version)
+                slot = self._slots.index(self._wire)
+                header = torch.tensor([version, len(self._wire.buffers), slot], dtype=torch.int64)
+                dist.broadcast(header, src=0)
+                if self._shm is None:
+                    for buf in self._wire.buffers:
+                        dist.broadcast(buf, src=0)
+                else:
+                    dist.barrier()  # every generator has copied the slot out: it may be reused
                 self._sent_version = version
                 self.broadcasts += 1
         except BaseException as exc:  # surfaced on the next publish()
@@ -156,42 +198,54 @@ class WeightSender:
         with self._cond:
             self._closed = True
             self._cond.notify()
-
-
-def _broadcast_buffers(buffers: Iterable[torch.Tensor], version: int) -> None:
-    buffers = list(buffers)
-    header = torch.tensor([version, len(buffers)], dtype=torch.int64)
-    dist.broadcast(header, src=0)
-    for buf in buffers:
-        dist.broadcast(buf, src=0)
+        for path in self._shm or []:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 class WeightReceiver:
-    """Generator side: join the next broadcast and load it into the model."""
+    """Generator side: join the next sync and load it into the model (between batches only)."""
 
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 shm_slots: list[str] | None = None):
         self._params = _sync_params(model)
-        self._wire = _FlatBuckets(self._params, bucket_bytes)
+        self._bucket_bytes = bucket_bytes
+        self._shm = shm_slots
+        self._slots: list[_FlatBuckets] | None = None  # mapped at the first sync: the learner creates them
+        self._wire = _FlatBuckets(self._params, bucket_bytes) if shm_slots is None else None
         self.version = 0
 
     def receive(self) -> int:
-        """Blocks until the learner's broadcast arrives; returns the version received."""
-        header = torch.zeros(2, dtype=torch.int64)
+        """Blocks until the learner's sync arrives; returns the version received."""
+        header = torch.zeros(3, dtype=torch.int64)
         try:
             dist.broadcast(header, src=0)
-            version, n_buckets = int(header[0]), int(header[1])
-            if n_buckets != len(self._wire.buffers):
+            version, n_buckets, slot = (int(x) for x in header)
+            source = self._source(slot)
+            if n_buckets != len(source.buffers):
                 raise WeightSyncError(
-                    f"learner sent {n_buckets} weight buckets, this generator expects {len(self._wire.buffers)}: "
+                    f"learner sent {n_buckets} weight buckets, this generator expects {len(source.buffers)}: "
                     "the two sides were built from different model specs"
                 )
-            for buf in self._wire.buffers:
-                dist.broadcast(buf, src=0)
+            if self._shm is None:
+                for buf in source.buffers:
+                    dist.broadcast(buf, src=0)
+            with torch.no_grad():
+                source.unpack(self._params)
+            if self._shm is not None:
+                dist.barrier()
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise WeightSyncError(f"weight broadcast from the learner failed: {exc}") from exc
-        with torch.no_grad():
-            self._wire.unpack(self._params)
+            raise WeightSyncError(f"weight sync from the learner failed: {exc}") from exc
         self.version = version
         return version
+
+    def _source(self, slot: int) -> _FlatBuckets:
+        if self._shm is None:
+            return self._wire
+        if self._slots is None:
+            self._slots = [_FlatBuckets(self._params, self._bucket_bytes, path) for path in self._shm]
+        return self._slots[slot]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -19,10 +20,11 @@ def _model(seed: int) -> torch.nn.Module:
     return model
 
 
-def _learner(endpoint: str, world: int, versions: int, out) -> None:
+def _learner(endpoint: str, world: int, versions: int, out, shm: bool) -> None:
     weightsync.init_group(endpoint, 0, world, timeout_s=30)
     model = _model(0)
-    sender = weightsync.WeightSender(model, bucket_bytes=256)  # small buckets: several per sync
+    slots = weightsync.shm_paths(endpoint) if shm else None
+    sender = weightsync.WeightSender(model, bucket_bytes=256, shm_slots=slots)  # small buckets: several per sync
     for v in range(1, versions + 1):
         with torch.no_grad():
             for p in model.parameters():
@@ -35,22 +37,24 @@ def _learner(endpoint: str, world: int, versions: int, out) -> None:
     weightsync.close_group()
 
 
-def _generator(endpoint: str, rank: int, world: int, versions: int, out) -> None:
+def _generator(endpoint: str, rank: int, world: int, versions: int, out, shm: bool) -> None:
     weightsync.init_group(endpoint, rank, world, timeout_s=30)
     model = _model(1)  # different init: only a sync can make it equal
-    receiver = weightsync.WeightReceiver(model, bucket_bytes=256)
+    slots = weightsync.shm_paths(endpoint) if shm else None
+    receiver = weightsync.WeightReceiver(model, bucket_bytes=256, shm_slots=slots)
     while receiver.version < versions:
         receiver.receive()
         out.put(("got", receiver.version, [p.detach().clone() for p in model.parameters()]))
     weightsync.close_group()
 
 
-def test_generators_receive_exact_weights_and_versions_only_grow():
+@pytest.mark.parametrize("shm", [False, True], ids=["broadcast", "shared-memory"])
+def test_generators_receive_exact_weights_and_versions_only_grow(shm):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_learner, args=(endpoint, 3, 3, out))]
-    procs += [ctx.Process(target=_generator, args=(endpoint, r, 3, 3, out)) for r in (1, 2)]
+    procs = [ctx.Process(target=_learner, args=(endpoint, 3, 3, out, shm))]
+    procs += [ctx.Process(target=_generator, args=(endpoint, r, 3, 3, out, shm)) for r in (1, 2)]
     for p in procs:
         p.start()
     sent, got = {}, []
@@ -66,6 +70,7 @@ def test_generators_receive_exact_weights_and_versions_only_grow():
         assert version in sent
         for a, b in zip(params, sent[version]):
             assert torch.equal(a, b)  # bit for bit
+    assert not any(os.path.exists(p) for p in weightsync.shm_paths(endpoint))  # the learner removed its slots
 
 
 def _lonely_generator(endpoint: str, out) -> None:
