@@ -1,6 +1,6 @@
 """SEE hub: receives from publishers, checks, logs Experience, routes to subscribers by topic.
 
-    publishers (PUSH) --frames--> [frontend PULL | broker | backend ROUTER] --frames--> subscribers (DEALER)
+    publishers (DEALER) --frames--> [frontend ROUTER | broker | backend ROUTER] --frames--> subscribers (DEALER)
 
 One thread, one poll loop (this is meant to be its own process: ``run_broker(config)``
 is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
@@ -8,6 +8,7 @@ is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
 - Every frame is decoded and validated; bad frames and bad messages are counted
   (``Stats.rejected_total``), never forwarded, never logged, never fatal.
 - Every accepted Experience is appended to the log (if ``log_dir``) before it is routed.
+  A publisher's ``Sync`` is answered after everything it sent before has been handled.
 - Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
   backlog here, bounded by ``backlog_messages``. Lossless subscribers over the bound
   pause the frontend (publishers then wait at their high-water mark: back-pressure,
@@ -37,11 +38,14 @@ from exchange.log import DEFAULT_SEGMENT_BYTES, ExperienceLogWriter
 from exchange.protocol import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
+    Closing,
     Control,
     Experience,
     Stats,
     Subscribe,
     Subscribed,
+    Sync,
+    Synced,
     Unsubscribe,
     topic_for,
 )
@@ -110,15 +114,16 @@ class Broker:
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
         config.check()
         self.config = config
+        self._own_context = context is None
         self._ctx = context or zmq.Context()
-        self._frontend = self._ctx.socket(zmq.PULL)
+        self._frontend = self._ctx.socket(zmq.ROUTER)
         self._frontend.setsockopt(zmq.RCVHWM, config.hwm_frames)
         self._frontend.bind(config.frontend)
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises Again instead of dropping
         self._backend.setsockopt(zmq.SNDHWM, config.hwm_frames)
         self._backend.bind(config.backend)
-        self._decoder = Decoder(MESSAGE_TYPES, config.max_frame_bytes)
+        self._decoder = Decoder((*MESSAGE_TYPES, Sync), config.max_frame_bytes)
         self._link_decoder = Decoder((Subscribe, Unsubscribe), config.max_frame_bytes)
         self._encoder = Encoder(config.max_frame_bytes)
         self._log = ExperienceLogWriter(config.log_dir, config.segment_bytes) if config.log_dir else None
@@ -138,7 +143,7 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self._backend, zmq.POLLIN)
         poller.register(self._frontend, zmq.POLLIN)
-        reading = True
+        reading, retry_ms = True, 1
         next_stats = time.monotonic() + self.config.stats_interval_s
         while not self._stopping:
             paused = self._must_pause()
@@ -146,14 +151,14 @@ class Broker:
                 poller.modify(self._frontend, 0 if paused else zmq.POLLIN)
                 reading = not paused
             backlogged = any(s.backlog for s in self._subs.values())
-            wait_ms = 1 if backlogged else min(100, max(0, int((next_stats - time.monotonic()) * 1000)))
+            wait_ms = retry_ms if backlogged else min(100, max(0, int((next_stats - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
             if self._backend in events:
                 self._drain_backend()
             if self._frontend in events:
                 self._drain_frontend()
-            if backlogged:
-                self._retry_backlogs()
+            if backlogged:  # retry soon while backlogs move, back off to 50 ms while they are stuck
+                retry_ms = 1 if self._retry_backlogs() else min(50, retry_ms * 2)
             if time.monotonic() >= next_stats:
                 self._publish_stats()
                 next_stats = time.monotonic() + self.config.stats_interval_s
@@ -164,10 +169,11 @@ class Broker:
     def _drain_frontend(self, max_frames: int = 32) -> None:
         for _ in range(max_frames):
             try:
-                data = self._frontend.recv(zmq.NOBLOCK, copy=True)
+                parts = self._frontend.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._accept(self._decoder.decode_frame(data), data)
+            for data in parts[1:] or [b""]:
+                self._accept(parts[0], self._decoder.decode_frame(data), data)
             if self._stopping or self._must_pause():
                 return
 
@@ -175,22 +181,38 @@ class Broker:
         """A lossless subscriber is at its backlog bound: stop reading publishers until it drains."""
         return any(s.lossless and s.waiting >= self.config.backlog_messages for s in self._subs.values())
 
-    def _accept(self, frame: Frame, data: bytes) -> None:
+    def _accept(self, sender: bytes, frame: Frame, data: bytes) -> None:
         self._count_rejects(frame.errors)
-        if not frame.messages:
-            return
-        n = len(frame.messages)
-        self.accepted += n
-        topics = [topic_for(m) for m in frame.messages]
-        exps = [raw for m, raw in zip(frame.messages, frame.raws) if type(m) is Experience]
+        messages, raws, whole = frame.messages, frame.raws, data if not frame.errors else None
+        syncs = [m for m in messages if type(m) is Sync]
+        if syncs:
+            keep = [i for i, m in enumerate(messages) if type(m) is not Sync]
+            messages, raws, whole = [messages[i] for i in keep], [raws[i] for i in keep], None
+        if messages:
+            self._route_accepted(messages, raws, whole)
+        for sync in syncs:
+            self._answer_sync(sender, sync)
+
+    def _route_accepted(self, messages: list, raws: list, whole: bytes | None) -> None:
+        self.accepted += len(messages)
+        topics = [topic_for(m) for m in messages]
+        exps = [raw for m, raw in zip(messages, raws) if type(m) is Experience]
         self._window_exps += len(exps)
         if self._log and exps:
             self._log.append_raw(exps)
-        whole = data if not frame.errors else None
-        self._route(topics, frame.raws, whole)
-        for m in frame.messages:
+        self._route(topics, raws, whole)
+        for m in messages:
             if type(m) is Control and m.command == "stop" and m.target in ("*", self.config.name):
                 self._stopping = True
+
+    def _answer_sync(self, sender: bytes, sync: Sync) -> None:
+        if self._log:
+            self._log.flush()  # "processed" includes: handed to the OS
+        answer = Encoder.frame([self._encoder.encode(Synced(SCHEMA_VERSION, sync.token, self.accepted))])
+        try:
+            self._frontend.send_multipart((sender, answer), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the publisher left or is not reading; it will time out and say so
 
     def _route(self, topics: list[str], raws: list, whole: bytes | None, count: bool = True) -> None:
         uniform = topics[0] if topics.count(topics[0]) == len(topics) else None
@@ -238,11 +260,15 @@ class Broker:
         sub.backlog.clear()
         sub.waiting = 0
 
-    def _retry_backlogs(self) -> None:
+    def _retry_backlogs(self) -> bool:
+        """Send what the subscribers' queues take now; True if anything moved."""
+        moved = False
         for sub in list(self._subs.values()):
             while sub.backlog and self._send(sub, sub.backlog[0][0]):
                 _, n = sub.backlog.popleft()
                 sub.waiting -= n
+                moved = True
+        return moved
 
     # --- subscribers ---
 
@@ -265,6 +291,8 @@ class Broker:
                 self._forget(self._subs[identity])
             return
         sub = self._subs.get(identity)
+        if sub is None and self._stopping:
+            return  # shutting down: no new subscriptions
         if sub is None:
             taken = {s.name for s in self._subs.values()}
             name = msg.name if msg.name not in taken else f"{msg.name}#{identity.hex()[-6:]}"
@@ -301,16 +329,36 @@ class Broker:
             self._log.flush()
 
     def _shutdown(self) -> None:
+        """Final Stats, then ``Closing`` to every subscriber; wait (up to drain_timeout_s) until each
+        has answered, which proves it received every earlier frame; then close."""
         self._publish_stats()
+        closing = Encoder.frame([self._encoder.encode(Closing(SCHEMA_VERSION))])
+        for sub in list(self._subs.values()):
+            self._deliver(sub, closing, 0)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while any(s.backlog for s in self._subs.values()) and time.monotonic() < deadline:
+        while self._subs and time.monotonic() < deadline:
             self._retry_backlogs()
-            time.sleep(0.001)
+            if self._backend.poll(2, zmq.POLLIN):
+                self._drain_backend()  # their Unsubscribe answers
+        self._refuse_late_frames(time.monotonic() + 0.2)
         if self._log:
             self._log.close()
-        linger_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        self._frontend.close(linger=0)
-        self._backend.close(linger=linger_ms)
+        self._frontend.close(linger=100)
+        self._backend.close(linger=100)
+        if self._own_context:
+            self._ctx.term()
+
+    def _refuse_late_frames(self, until: float) -> None:
+        """After a stop: answer Syncs still arriving (so publishers can close), count late data as dropped."""
+        while time.monotonic() < until and self._frontend.poll(20, zmq.POLLIN):
+            parts = self._frontend.recv_multipart()
+            for data in parts[1:]:
+                frame = self._decoder.decode_frame(data)
+                late = sum(type(m) is not Sync for m in frame.messages)
+                self.dropped += late
+                for m in frame.messages:
+                    if type(m) is Sync:
+                        self._answer_sync(parts[0], m)
 
 
 def run_broker(config: BrokerConfig) -> None:

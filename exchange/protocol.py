@@ -173,7 +173,7 @@ Message = Union[Experience, PromptBatch, Stats, Assign, WeightsReady, Control]
 MESSAGE_TYPES: tuple[type, ...] = (Experience, PromptBatch, Stats, Assign, WeightsReady, Control)
 
 
-# --- link messages: subscriber <-> broker only, never delivered to application code ---
+# --- link messages: between the transport and the broker only, never delivered to application code ---
 
 
 # subscriber -> broker
@@ -197,14 +197,39 @@ class Subscribed(_Message, tag="subok"):
 
 # subscriber -> broker
 class Unsubscribe(_Message, tag="unsub"):
-    """The subscriber is leaving; the broker frees its backlog."""
+    """The subscriber is leaving (or answers ``Closing``); the broker frees its backlog."""
 
     schema: int
 
 
-LinkMessage = Union[Subscribe, Subscribed, Unsubscribe]
+# broker -> subscriber
+class Closing(_Message, tag="closing"):
+    """The broker is stopping and nothing follows; the subscriber answers ``Unsubscribe``, which
+    tells the broker every earlier frame arrived (ZeroMQ's linger alone can cut the last ones)."""
 
-LINK_TYPES: tuple[type, ...] = (Subscribe, Subscribed, Unsubscribe)
+    schema: int
+
+
+# publisher -> broker
+class Sync(_Message, tag="sync"):
+    """Asks the broker to confirm it has processed every frame this publisher sent before it."""
+
+    schema: int
+    token: int
+
+
+# broker -> publisher
+class Synced(_Message, tag="syncok"):
+    """Everything the publisher sent before ``Sync(token)`` is logged and routed (or counted as rejected)."""
+
+    schema: int
+    token: int
+    accepted_total: int  # the broker's cumulative count, for the curious
+
+
+LinkMessage = Union[Subscribe, Subscribed, Unsubscribe, Closing, Sync, Synced]
+
+LINK_TYPES: tuple[type, ...] = (Subscribe, Subscribed, Unsubscribe, Closing, Sync, Synced)
 
 
 def topic_for(msg: Message) -> str:

@@ -1,12 +1,15 @@
 """SEE transport: async Publisher and Subscriber that talk to the broker (``exchange.broker``).
 
-Publisher: a PUSH socket connected to the broker's frontend. ``await send(msg)`` encodes
-and validates at once (your bad data raises here, typed), then buffers; the buffer goes
-out as one frame when it holds ``max_batch`` messages or ``max_batch_bytes``, or at the
+Publisher: a DEALER socket connected to the broker's frontend (a ROUTER). ``await send(msg)``
+encodes and validates at once (your bad data raises here, typed), then buffers; the buffer
+goes out as one frame when it holds ``max_batch`` messages or ``max_batch_bytes``, or at the
 next turn of the event loop, whichever comes first. So a burst of sends costs one socket
 operation per batch, and a lone send waits at most one loop turn.
 Blocks: when the broker is not reading (its own back-pressure, or it is not up yet) the
 socket queue fills to ``hwm_frames`` and ``send``/``flush`` wait. Never drops.
+Confirms: ``await sync()`` returns once the broker has processed (logged, routed or counted
+as rejected) everything sent before it; ``aclose()`` syncs before closing, so a process
+that exits after ``aclose()`` has lost nothing (ZeroMQ alone would drop its queue on exit).
 
 Subscriber: a DEALER socket connected to the broker's backend. It announces its topic
 prefixes with ``Subscribe``; ``await ready()`` returns once the broker has answered
@@ -18,6 +21,8 @@ broker drops what does not fit and counts it in its Stats. Bad frames are decode
 typed errors, counted in ``rejected`` (last one kept in ``last_error``), never raised.
 If nothing arrives for ``resubscribe_s`` the subscription is re-sent (idempotent), so a
 restarted broker picks its subscribers up again.
+
+All socket I/O goes through pyzmq's asyncio layer (never a blocking call on the loop).
 """
 
 from __future__ import annotations
@@ -25,13 +30,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections import deque
 
 import zmq
 import zmq.asyncio
 
 from exchange.codec import DEFAULT_MAX_FRAME_BYTES, DecodeError, Decoder, Encoder
-from exchange.protocol import MESSAGE_TYPES, SCHEMA_VERSION, Message, Subscribe, Subscribed, Unsubscribe
+from exchange.protocol import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    Closing,
+    Message,
+    Subscribe,
+    Subscribed,
+    Sync,
+    Synced,
+    Unsubscribe,
+)
 
 _tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
 
@@ -57,7 +73,8 @@ class Publisher:
         self.max_batch = max_batch
         self.max_batch_bytes = min(max_batch_bytes, max_frame_bytes)
         self._encoder = Encoder(max_frame_bytes)
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.PUSH)
+        self._decoder = Decoder((Synced,))
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
@@ -91,30 +108,45 @@ class Publisher:
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        """The only code that writes the socket, so frames leave in send order."""
+        """The only code that writes data frames, so they leave in send order."""
         while self._buf:
-            items, self._buf, self._buf_bytes = self._buf[: self.max_batch], self._buf[self.max_batch :], 0
+            items, self._buf = self._buf[: self.max_batch], self._buf[self.max_batch :]
             self._buf_bytes = sum(map(len, self._buf)) if self._buf else 0
             await self._sock.send(Encoder.frame(items), copy=False)
-            self.sent += len(items)
+            self.sent += len(items)  # (a Sync counts too; close enough for a progress figure)
 
     async def flush(self) -> None:
-        """Wait until every buffered message is handed to ZeroMQ (not necessarily delivered)."""
-        if self._buf:
+        """Wait until every buffered message is handed to ZeroMQ (queued, not yet confirmed)."""
+        while self._buf or (self._drainer is not None and not self._drainer.done()):
             self._ensure_drainer()
-        if self._drainer is not None:
             await self._drainer
 
-    async def aclose(self, linger_s: float = 5.0) -> None:
-        """Flush, then close; ZeroMQ keeps trying to deliver queued frames for ``linger_s``."""
+    async def sync(self, timeout: float = 30.0) -> None:
+        """Wait until the broker confirms it processed everything sent so far; ``TimeoutError`` if not."""
+        token = next(_tokens)
+        self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))  # rides with the last data
         await self.flush()
-        self.close(linger_s)
+        deadline = time.monotonic() + timeout
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not await self._sock.poll(left_ms, zmq.POLLIN):
+                raise TimeoutError(f"the broker at {self.endpoint} did not confirm {self.sent} sent messages within {timeout:g} s")
+            frame = self._decoder.decode_frame(await self._sock.recv())
+            if any(m.token == token for m in frame.messages):
+                return
 
-    def close(self, linger_s: float = 0.0) -> None:
-        """Close now; messages still buffered here (not yet flushed) are discarded."""
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Sync (see ``sync``), then close. Raises ``TimeoutError`` (after closing) if the broker never confirmed."""
+        try:
+            await self.sync(timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close now; anything not yet confirmed by ``sync`` may be lost."""
         if self._drainer is not None and not self._drainer.done():
             self._drainer.cancel()
-        self._sock.close(linger=int(linger_s * 1000))
+        self._sock.close(linger=0)
 
 
 class Subscriber:
@@ -140,10 +172,11 @@ class Subscriber:
         self.rejected = 0
         self.last_error: DecodeError | None = None
         self.received = 0
-        self._decoder = Decoder(types=(*MESSAGE_TYPES, Subscribed), max_frame_bytes=max_frame_bytes)
+        self._decoder = Decoder(types=(*MESSAGE_TYPES, Subscribed, Closing), max_frame_bytes=max_frame_bytes)
         self._encoder = Encoder()
         self._token = next(_tokens)
         self._ready = False
+        self.broker_closed = False  # the broker said Closing: everything it had for us has arrived
         self._queue: deque = deque()
         self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RCVHWM, hwm_frames)
@@ -151,12 +184,20 @@ class Subscriber:
         self._sock.connect(endpoint)
         self._subscribe()
 
-    def _subscribe(self) -> None:
+    def _subscribe_frame(self) -> bytes:
         msg = Subscribe(SCHEMA_VERSION, self.name, self.topics, self.lossless, self._token)
+        return Encoder.frame([self._encoder.encode(msg)])
+
+    def _subscribe(self) -> None:
+        """First hello, from the constructor (no loop needed; the socket has no waiters yet)."""
         try:
-            zmq.Socket.send(self._sock, Encoder.frame([self._encoder.encode(msg)]), zmq.NOBLOCK)
+            zmq.Socket.send(self._sock, self._subscribe_frame(), zmq.NOBLOCK)
         except zmq.Again:
-            pass  # the broker has been away long enough to fill the queue; the next idle turn retries
+            pass
+
+    async def _send_link(self, frame: bytes) -> None:
+        if await self._sock.poll(0, zmq.POLLOUT):  # a broker away for long fills the queue: skip, retry later
+            await self._sock.send(frame)
 
     @property
     def is_ready(self) -> bool:
@@ -195,7 +236,7 @@ class Subscriber:
     async def _fill(self) -> None:
         """Receive one frame (re-subscribing while idle) and queue its good messages."""
         while not await self._sock.poll(int(self.resubscribe_s * 1000), zmq.POLLIN):
-            self._subscribe()
+            await self._send_link(self._subscribe_frame())
         frame = self._decoder.decode_frame(await self._sock.recv(copy=True))
         if frame.errors:
             self.rejected += len(frame.errors)
@@ -203,6 +244,9 @@ class Subscriber:
         for msg in frame.messages:
             if type(msg) is Subscribed:
                 self._ready = self._ready or msg.token == self._token
+            elif type(msg) is Closing:
+                self.broker_closed = True
+                await self._send_link(Encoder.frame([self._encoder.encode(Unsubscribe(SCHEMA_VERSION))]))
             else:
                 self._queue.append(msg)
                 self.received += 1

@@ -118,7 +118,7 @@ def live_broker(tmp_path_factory, loop):
                        max_frame_bytes=CAP, stats_interval_s=0.02)
     proc = spawn_broker(cfg)
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)  # a hostile publisher speaks raw bytes
+    push = ctx.socket(zmq.DEALER)  # a hostile publisher speaks raw bytes
     push.connect(cfg.frontend)
     rogue = ctx.socket(zmq.DEALER)  # a hostile subscriber, too
     rogue.connect(cfg.backend)
