@@ -43,7 +43,7 @@ class LiveDisplay:
         name = record.get("model")
         if name not in self.last or record.get("event") not in ("step", "final"):
             return
-        self.last[name] = record
+        self.last[name] = {**self.last[name], **record}  # a final record keeps the last step's figures
         if record.get("accuracy") is not None:
             self.acc[name] = record["accuracy"]
 
