@@ -30,11 +30,11 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
-from exchange.codec import DEFAULT_MAX_FRAME_BYTES, DecodeError, Decoder, Encoder, Frame
-from exchange.log import DEFAULT_SEGMENT_BYTES, ExperienceLogWriter
+from exchange.broker_config import BrokerConfig, ConfigError
+from exchange.codec import DecodeError, Decoder, Encoder, Frame
+from exchange.log import ExperienceLogWriter
 from exchange.protocol import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -49,46 +49,6 @@ from exchange.protocol import (
     Unsubscribe,
     topic_for,
 )
-
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
-
-
-class ConfigError(ValueError):
-    """A BrokerConfig value that cannot work; the message names the field and the fix."""
-
-
-class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Where the broker listens and how much it holds."""
-
-    frontend: str = "tcp://127.0.0.1:5557"  # publishers connect here
-    backend: str = "tcp://127.0.0.1:5558"  # subscribers connect here
-    log_dir: str | None = None  # experience log directory; None: no log
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # log segment size before rolling over
-    hwm_frames: int = 64  # ZeroMQ queue bound per socket/peer, in frames
-    backlog_messages: int = 16384  # per-subscriber backlog bound kept by the broker
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are rejected unread
-    stats_interval_s: float = 1.0
-    drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
-    name: str = "broker"  # Control target and Stats worker id
-    allow_remote: bool = False  # bind tcp on non-loopback addresses (exposes the run!)
-
-    def check(self) -> None:
-        for key in ("frontend", "backend"):
-            endpoint = getattr(self, key)
-            scheme, _, rest = endpoint.partition("://")
-            if scheme not in ("tcp", "ipc", "inproc") or not rest:
-                raise ConfigError(f"{key} = {endpoint!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-            host = rest.rsplit(":", 1)[0]
-            if scheme == "tcp" and host not in _LOOPBACK_HOSTS and not self.allow_remote:
-                raise ConfigError(f"{key} = {endpoint!r} is not loopback; set allow_remote = true to expose the exchange")
-        if self.frontend == self.backend:
-            raise ConfigError("frontend and backend must be different endpoints")
-        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
-        if not self.stats_interval_s > 0 or not self.drain_timeout_s >= 0:
-            raise ConfigError("stats_interval_s must be > 0 and drain_timeout_s >= 0")
-
 
 @dataclass
 class _Subscriber:
@@ -173,7 +133,7 @@ class Broker:
             except zmq.Again:
                 return
             for data in parts[1:] or [b""]:
-                self._accept(parts[0], self._decoder.decode_frame(data), data)
+                self._accept(parts[0], self._decoder.decode_frame(data))
             if self._stopping or self._must_pause():
                 return
 
@@ -181,26 +141,30 @@ class Broker:
         """A lossless subscriber is at its backlog bound: stop reading publishers until it drains."""
         return any(s.lossless and s.waiting >= self.config.backlog_messages for s in self._subs.values())
 
-    def _accept(self, sender: bytes, frame: Frame, data: bytes) -> None:
+    def _accept(self, sender: bytes, frame: Frame) -> None:
         self._count_rejects(frame.errors)
-        messages, raws, whole = frame.messages, frame.raws, data if not frame.errors else None
+        messages = frame.messages
         syncs = [m for m in messages if type(m) is Sync]
-        if syncs:
+        if syncs:  # link messages: answered below, never routed
             keep = [i for i, m in enumerate(messages) if type(m) is not Sync]
-            messages, raws, whole = [messages[i] for i in keep], [raws[i] for i in keep], None
-        if messages:
-            self._route_accepted(messages, raws, whole)
+            frame = Frame([messages[i] for i in keep], [frame.raws[i] for i in keep])
+        if frame.messages:
+            self._route_accepted(frame)
         for sync in syncs:
             self._answer_sync(sender, sync)
 
-    def _route_accepted(self, messages: list, raws: list, whole: bytes | None) -> None:
+    def _route_accepted(self, frame: Frame) -> None:
+        messages = frame.messages
         self.accepted += len(messages)
         topics = [topic_for(m) for m in messages]
-        exps = [raw for m, raw in zip(messages, raws) if type(m) is Experience]
-        self._window_exps += len(exps)
-        if self._log and exps:
-            self._log.append_raw(exps)
-        self._route(topics, raws, whole)
+        n_exps = sum(type(m) is Experience for m in messages)
+        self._window_exps += n_exps
+        if self._log and n_exps:
+            if n_exps == len(messages) and frame.whole is not None:
+                self._log.append_frame(frame.whole)  # the frame is already a log payload
+            else:
+                self._log.append_raw([raw for m, raw in zip(messages, frame.raws) if type(m) is Experience])
+        self._route(topics, frame)
         for m in messages:
             if type(m) is Control and m.command == "stop" and m.target in ("*", self.config.name):
                 self._stopping = True
@@ -214,7 +178,8 @@ class Broker:
         except zmq.ZMQError:
             pass  # the publisher left or is not reading; it will time out and say so
 
-    def _route(self, topics: list[str], raws: list, whole: bytes | None, count: bool = True) -> None:
+    def _route(self, topics: list[str], frame: Frame, count: bool = True) -> None:
+        """Hands each subscriber the messages whose topic it wants, as one frame, in order."""
         uniform = topics[0] if topics.count(topics[0]) == len(topics) else None
         if count and uniform is not None:
             self._window[uniform] += len(topics)
@@ -223,11 +188,13 @@ class Broker:
         for sub in list(self._subs.values()):
             if uniform is not None:
                 if sub.wants(uniform):
-                    self._deliver(sub, whole or Encoder.frame(raws), len(raws))
+                    self._deliver(sub, frame.whole or Encoder.frame(frame.raws), len(topics))
                 continue
-            picked = [raw for raw, t in zip(raws, topics) if sub.wants(t)]
-            if picked:
-                self._deliver(sub, whole if len(picked) == len(raws) and whole else Encoder.frame(picked), len(picked))
+            picked = [raw for raw, t in zip(frame.raws, topics) if sub.wants(t)]
+            if len(picked) == len(topics) and frame.whole is not None:
+                self._deliver(sub, frame.whole, len(picked))
+            elif picked:
+                self._deliver(sub, Encoder.frame(picked), len(picked))
 
     def _deliver(self, sub: _Subscriber, frame: bytes, n: int) -> None:
         if not sub.backlog and self._send(sub, frame):
@@ -324,7 +291,8 @@ class Broker:
         self._window.clear()
         self._window_rejected = self._window_dropped = self._window_exps = 0
         self._window_start = now
-        self._route(["stats"], [self._encoder.encode(stats)], None, count=False)
+        encoded = self._encoder.encode(stats)
+        self._route(["stats"], Frame([stats], whole=Encoder.frame([encoded])), count=False)
         if self._log:
             self._log.flush()
 
@@ -404,3 +372,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+__all__ = ["Broker", "BrokerConfig", "ConfigError", "run_broker", "spawn_broker", "main"]

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from exchange.codec import DecodeError, Decoder, Encoder
+from exchange.codec import Decoder, Encoder
 from exchange.protocol import Experience
 
 MAGIC = b"SEELOG" + struct.pack("<H", 1)
@@ -105,9 +105,11 @@ class ExperienceLogWriter:
 
     def append_raw(self, encoded: list) -> None:
         """Logs already-encoded (and validated) Experience messages as one frame."""
-        if not encoded:
-            return
-        payload = Encoder.frame(encoded)
+        if encoded:
+            self.append_frame(Encoder.frame(encoded))
+
+    def append_frame(self, payload: bytes) -> None:
+        """Logs a codec frame that holds only validated Experience messages (the broker's fast path)."""
         if self._size >= self.segment_bytes:
             self._file.close()
             self._index += 1
@@ -179,4 +181,4 @@ class ExperienceLogReader:
         return groups
 
 
-__all__ = ["ExperienceLogWriter", "ExperienceLogReader", "LogPosition", "LogCorrupt", "DecodeError"]
+__all__ = ["ExperienceLogWriter", "ExperienceLogReader", "LogPosition", "LogCorrupt"]

@@ -149,6 +149,55 @@ class Publisher:
         self._sock.close(linger=0)
 
 
+class BlockingPublisher:
+    """The Publisher for code without an event loop (scripts, threads): same frames, same Sync.
+
+    ``send`` buffers and sends a frame every ``max_batch`` messages (blocking at the high-water
+    mark); ``flush`` sends the rest; ``close`` syncs first unless told not to.
+    """
+
+    def __init__(self, endpoint: str, *, max_batch: int = 256, hwm_frames: int = 64,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.max_batch = max_batch
+        self._encoder = Encoder(max_frame_bytes)
+        self._decoder = Decoder((Synced,))
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._buf: list[bytes] = []
+
+    def send(self, msg: Message) -> None:
+        self._buf.append(self._encoder.encode(msg))
+        if len(self._buf) >= self.max_batch:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buf:
+            self._sock.send(Encoder.frame(self._buf), copy=False)
+            self._buf = []
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Block until the broker confirms everything sent so far; ``TimeoutError`` if it does not."""
+        token = next(_tokens)
+        self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))
+        self.flush()
+        deadline = time.monotonic() + timeout
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0 and self._sock.poll(left_ms, zmq.POLLIN):
+            if any(m.token == token for m in self._decoder.decode_frame(self._sock.recv()).messages):
+                return
+        raise TimeoutError(f"the broker at {self.endpoint} did not confirm within {timeout:g} s")
+
+    def close(self, sync_timeout: float | None = 30.0) -> None:
+        """Sync (unless ``sync_timeout`` is None), then close."""
+        try:
+            if sync_timeout is not None:
+                self.sync(sync_timeout)
+        finally:
+            self._sock.close(linger=0)
+
+
 class Subscriber:
     """Async subscriber to topic prefixes at the broker backend (see the module docstring)."""
 

@@ -17,7 +17,7 @@ from exchange.broker import BrokerConfig, spawn_broker
 from exchange.log import ExperienceLogReader
 from exchange.protocol import SCHEMA_VERSION, Control, Experience, Stats
 from exchange.samples import make_experience
-from exchange.transport import Publisher, Subscriber
+from exchange.transport import BlockingPublisher, Publisher, Subscriber
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -158,10 +158,8 @@ def test_sigterm_stops_the_broker_cleanly_and_keeps_the_log(tmp_path):
     async def drive() -> None:
         watch = Subscriber(cfg.backend, ["stats"], lossless=False)
         await watch.ready()
-        pub = Publisher(cfg.frontend)
-        for i in range(50):
-            await pub.send(make_experience(i))
-        await pub.aclose()
+        pub = BlockingPublisher(cfg.frontend, max_batch=16)  # the loop-less flavour, from a thread
+        await asyncio.to_thread(lambda: [pub.send(make_experience(i)) for i in range(50)] and pub.close())
         await _stats_until(watch, lambda s: s.accepted_total == 50)
         watch.close()
 
@@ -191,12 +189,15 @@ def test_tail_and_stats_commands_print_the_live_stream(tmp_path):
     cfg = _config(tmp_path)
     broker = spawn_broker(cfg)
     tail = _launch("tail", "--connect", cfg.backend, "--count", "5")
-    stats = _launch("stats", "--connect", cfg.backend, "--count", "2")
+    stats = None
 
     async def feed() -> None:
+        nonlocal stats
         pub = Publisher(cfg.frontend)
         i = 0
-        while tail.poll() is None or stats.poll() is None:  # until both taps have what they asked for
+        while stats is None or stats.poll() is None:
+            if stats is None and tail.poll() is not None:  # traffic is flowing: now ask for rates
+                stats = _launch("stats", "--connect", cfg.backend, "--count", "2")
             await pub.send(make_experience(i, "qwen-tiny", completion_tokens=7))
             i += 1
             await asyncio.sleep(0.01)
