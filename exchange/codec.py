@@ -87,7 +87,7 @@ def validate(msg: Any) -> None:
     """Checks a decoded (or about to be encoded) message beyond its types; raises ``DecodeError``."""
     schema = msg.schema
     if schema != SCHEMA_VERSION:
-        _check_schema(schema)
+        check_schema(schema)
     if type(msg) is Experience:  # the hot path: one per rollout
         _validate_experience(msg)
         return
@@ -100,7 +100,8 @@ def validate(msg: Any) -> None:
                 raise NonFinite(f"topic_rates[{topic!r}]", f"is {rate!r}, a finite number is required")
 
 
-def _check_schema(schema: int) -> None:
+def check_schema(schema: int) -> None:
+    """Raises ``SchemaTooNew`` / ``SchemaMismatch`` unless this reader understands ``schema``."""
     if schema > SCHEMA_VERSION:
         raise SchemaTooNew("schema", f"version {schema} is newer than this reader's {SCHEMA_VERSION}; upgrade the reader")
     if schema < 1:
