@@ -50,12 +50,12 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     duration_s: PosFloat = 90.0  # wall-clock budget of the RL phase
     mode: Literal["mwra", "static"] = "mwra"  # static: keep static_split for the whole run
     static_split: dict[str, int] = {}  # "generator:<model>" / "learner:<model>" -> workers (static mode)
-    phases: list[CostPhase] = [CostPhase()]  # cost model over time; a model missing from a phase costs 0
+    phases: list[CostPhase] = msgspec.field(default_factory=lambda: [CostPhase()])  # cost model over time; a model missing from a phase costs 0
     max_inflight_batches: Annotated[int, Meta(ge=1)] = 6  # batches a model may be issued ahead of its learner
     max_model_lead_batches: Annotated[int, Meta(ge=1)] = 4  # ... and ahead of the slowest model's learner
     tick_s: PosFloat = 1.0  # a waiting learner leader pings its ranks this often (keeps gloo within its time-out)
     group_timeout_s: PosFloat = 120.0  # forming a learner group or a collective that takes longer fails loudly
-    peer_dead_after_s: PosFloat = 30.0  # a peer silent this long is declared dead: train solo, say so
+    peer_dead_after_s: PosFloat = 60.0  # a peer silent this long is declared dead: train solo, say so
     controller_every_s: PosFloat = 1.0  # how often the coordinator calls the controller
     controller: dict[str, float] = {}  # ControllerConfig fields (decision_interval_s, cooldown_s, ...)
     script: list[ScriptedMove] = []  # forced moves on top of (or instead of) the controller

@@ -61,6 +61,7 @@ class BatchDone(_Msg, tag="bdone"):
     batch_id: int
     experiences: int
     weight_version: int
+    params_digest: str = ""  # sha256 of the weights used, on a role's first batch (checks the hand-over)
 
 
 class StepDone(_Msg, tag="sdone"):

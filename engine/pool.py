@@ -1,0 +1,378 @@
+"""Pool mode: N worker processes, roles moved live by the MWRA controller.
+
+    PoolRun.run():
+        broker (SEE hub) ── one process
+        workers w0..wN-1 ── engine.poolworker, one role each (generator / learner rank / idle)
+        here: prompt dispatch (pull-based), controller loop, scripted moves, the end-of-run audit
+
+Every prompt batch k holds the same global prompt ids for every model. A generator asks
+for work (``WantWork``); a batch is issued to model m only while m is at most
+``max_inflight_batches`` ahead of its own learner and ``max_model_lead_batches`` ahead of
+the slowest model's learner (a fast model cannot run away from its peers). Batches that
+a leaving generator hands back go to the front of the queue.
+
+The controller (``engine.controller.decide``) reads the workers' Stats; its moves become
+``Assign`` messages (sent in ``Order``s over the pool plane, and published on the
+broker), and each acted decision is one ``mwra_decision`` line of metrics.jsonl. A move
+that touches a learner group re-forms that group (``Regroup``). A group's leader never
+moves while its group exists: a move that names it is given to another member of the
+same pool, which is equivalent for the controller and keeps the leader's inbox in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from engine import actors
+from engine.controller import ControllerState, decide, initial_assignment, view_from_stats
+from engine.metrics import MetricsWriter
+from engine.poolaudit import Audit, audit_log
+from engine.poolconfig import PoolConfig, controller_config
+from engine.poolplane import (BatchDone, CoordinatorPlane, GroupFormed, GroupSpec, Halt, HandBack, Hello,
+                              LearnerFinal, Order, Regroup, StepDone, WantWork, Work)
+from engine.poolworker import PoolWorkerPlan
+from engine.runfiles import free_port
+from exchange.broker import BrokerConfig
+from exchange.protocol import SCHEMA_VERSION, Assign, Problem, PromptBatch, Stats
+from exchange.transport import Publisher, Subscriber
+from tasks.registry import make_task
+
+
+class PoolFailed(RuntimeError):
+    """The pool could not start or finish; the message says which part failed."""
+
+
+class PoolResult(msgspec.Struct):
+    mode: str
+    duration_s: float
+    useful_prompts: int  # prompts every model generated AND trained on
+    useful_samples: int  # useful_prompts * G * number of models
+    useful_samples_per_s: float
+    steps: dict[str, int]
+    decisions: int  # acted controller decisions (+ scripted moves)
+    regroups: int
+    handbacks: int
+    formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
+    timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
+    audit: Audit
+
+
+class PoolRun:
+    def __init__(self, cfg, pool: PoolConfig, run_dir: Path, warm_checkpoints: list[str], quiet: bool = False):
+        self.cfg, self.pool, self.run_dir, self.quiet = cfg, pool, run_dir, quiet
+        self.warm = warm_checkpoints
+        self.names = [m.name for m in cfg.models]
+        self.ccfg = controller_config(cfg, pool)
+        self.task = make_task(cfg.task)
+        self.ids = [f"w{i}" for i in range(pool.workers)]
+        self.hello: set[str] = set()
+        self.assignment: dict[str, tuple[str, str]] = {}
+        self.groups: dict[str, GroupSpec] = {}
+        self.pending = {m: collections.deque() for m in self.names}  # generators waiting for work
+        self.ready = {m: collections.deque() for m in self.names}  # issued batches nobody holds (handed back)
+        self.issued = {m: 0 for m in self.names}
+        self.steps = {m: 0 for m in self.names}
+        self.trained: dict[str, set[int]] = {m: set() for m in self.names}
+        self.done_batches: dict[str, list[int]] = {m: [] for m in self.names}
+        self.finals: dict[str, LearnerFinal] = {}
+        self.formations: dict[tuple[str, int], dict] = {}
+        self.latest: dict[str, Stats] = {}
+        self.cstate = ControllerState()
+        self.seq = 0
+        self.decisions = self.regroups = self.handbacks = 0
+        self.timeline: list[dict] = []
+        self._last_reasons: list[str] = []
+        self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
+        self.changed = asyncio.Event()
+        self.actors: list[actors.Actor] = []
+        self._problems: dict[int, list[Problem]] = {}
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    async def run(self) -> PoolResult:
+        sock_dir = Path(tempfile.mkdtemp(prefix="mrl-pool-"))
+        try:
+            await self._start(sock_dir)
+            tasks = [asyncio.create_task(c) for c in (self._listen_plane(), self._listen_stats(), self._watch())]
+            try:
+                await self._begin()
+                await self._drive()
+                ended = time.time()
+                self.useful_in_budget = set.intersection(*self.trained.values())  # steps after the budget do not count
+                await self._halt()
+            finally:
+                for t in tasks:
+                    t.cancel()
+        finally:
+            await self._shutdown()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        return self._result(ended - self.t_start)
+
+    async def _start(self, sock_dir: Path) -> None:
+        self.broker_in, self.broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+        broker = BrokerConfig(frontend=self.broker_in, backend=self.broker_out,
+                              log_dir=str(self.run_dir / "experience_log"), name="broker")
+        self.actors.append(actors.spawn("broker", "engine.supervisor:broker_entry", msgspec.msgpack.encode(broker)))
+        self.pub = Publisher(self.broker_in)
+        self.sub = Subscriber(self.broker_out, ["stats"], name="pool", lossless=False)
+        await self.sub.ready(timeout=60)
+        self.plane = CoordinatorPlane(f"ipc://{sock_dir}/plane")
+        self.metrics = MetricsWriter(self.run_dir, "mwra")
+        for i, wid in enumerate(self.ids):
+            plan = PoolWorkerPlan(worker_id=wid, index=i, run_id=self.run_dir.name, run_dir=str(self.run_dir),
+                                  config=self.cfg, pool=self.pool, broker_in=self.broker_in,
+                                  broker_out=self.broker_out, plane=f"ipc://{sock_dir}/plane",
+                                  warm_checkpoints=self.warm)
+            self.actors.append(actors.spawn(wid, "engine.poolworker:run", msgspec.msgpack.encode(plan),
+                                            self.cfg.train.threads_per_process))
+
+    async def _begin(self) -> None:
+        deadline = time.time() + 120
+        while len(self.hello) < len(self.ids):
+            if time.time() > deadline:
+                raise PoolFailed(f"workers {sorted(set(self.ids) - self.hello)} never said hello")
+            await self._changed(1.0)
+        if self.pool.mode == "static":
+            it = iter(self.ids)
+            self.assignment = {next(it): tuple(k.split(":", 1)) for k, n in sorted(self.pool.static_split.items())
+                               for _ in range(n)}
+        else:
+            self.assignment = initial_assignment(self.ids, self.ccfg)
+        self.t0 = time.time()
+        for m in self.names:
+            members = sorted(w for w, rm in self.assignment.items() if rm == ("learner", m))
+            self.groups[m] = GroupSpec(m, 1, f"tcp://127.0.0.1:{free_port()}", members)
+        await self._send_orders(dict(self.assignment), "initial split")
+        self._log_counts()
+        try:
+            await asyncio.wait_for(self.open.wait(), self.pool.group_timeout_s)
+        except TimeoutError:
+            raise PoolFailed("the learner groups did not form in time") from None
+        self.t_start = time.time()  # the budget starts when work can flow (costs count from t0, the orders)
+        for m in self.names:
+            self._dispatch(m)
+
+    async def _drive(self) -> None:
+        script = sorted(self.pool.script, key=lambda s: s.at_s)
+        next_log = time.time() + 5
+        while (left := self.t_start + self.pool.duration_s - time.time()) > 0:
+            await asyncio.sleep(min(self.pool.controller_every_s, left))
+            now = time.time()
+            while script and now - self.t_start >= script[0].at_s:
+                move = script.pop(0)
+                await self._apply({move.worker: (move.role, move.model)}, f"scripted move at {move.at_s:g}s")
+            if self.pool.mode == "mwra":
+                await self._decide(now)
+            self._log_counts()
+            if now >= next_log:
+                next_log = now + 5
+                self.say(f"[pool] t={now - self.t_start:5.1f}s  {self._counts_text()}  steps "
+                         + " ".join(f"{m}={self.steps[m]}" for m in self.names)
+                         + f"  useful prompts {len(set.intersection(*self.trained.values()))}")
+
+    async def _decide(self, now: float) -> None:
+        view = view_from_stats(list(self.latest.values()), self.assignment, now, self.ccfg)
+        decision = decide(view, self.cstate, self.ccfg)
+        self.cstate = decision.new_state
+        if not decision.acted and decision.reasons != self._last_reasons:
+            self.metrics.write(**decision.to_record())  # a no-op is logged when its reasons change
+        self._last_reasons = decision.reasons
+        if decision.acted:
+            self.metrics.write(**decision.to_record())
+            self.say(f"[mwra] {'; '.join(decision.reasons)}")
+            await self._apply(dict(decision.assignments), "; ".join(decision.reasons))
+
+    async def _apply(self, changes: dict[str, tuple[str, str]], reason: str) -> None:
+        changes = self._keep_leaders(changes)
+        changes = {w: rm for w, rm in changes.items() if self.assignment.get(w) != rm}
+        if not changes:
+            return
+        self.decisions += 1
+        old_groups = dict(self.groups)
+        self.assignment.update(changes)
+        for w in changes:
+            for q in self.pending.values():
+                if w in q:
+                    q.remove(w)
+        for m in self.names:
+            old = old_groups[m].members
+            new = [w for w in old if self.assignment[w] == ("learner", m)]
+            new += sorted(w for w, rm in changes.items() if rm == ("learner", m) and w not in old)
+            if new != old:
+                self.groups[m] = GroupSpec(m, old_groups[m].epoch + 1, f"tcp://127.0.0.1:{free_port()}", new)
+                self.regroups += 1
+                for w in old:
+                    await self.plane.send(w, Regroup(self.groups[m]))
+        await self._send_orders(changes, reason)
+        self.metrics.write(event="assign", changes={w: list(rm) for w, rm in changes.items()}, reason=reason,
+                           groups={m: g.members for m, g in self.groups.items()})
+
+    def _keep_leaders(self, changes: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        out = dict(changes)
+        for m, group in self.groups.items():
+            leader = group.members[0] if group.members else None
+            if leader in out and out[leader] != ("learner", m):
+                stand_ins = [w for w in group.members[1:] if w not in out]
+                target = out.pop(leader)
+                if stand_ins:
+                    out[stand_ins[-1]] = target
+                    self.cstate.moved_at[stand_ins[-1]] = time.time()
+                else:
+                    self.say(f"[pool] not moving {leader}: it leads {m}'s learner group and no member can stand in")
+        return out
+
+    async def _send_orders(self, changes: dict[str, tuple[str, str]], reason: str) -> None:
+        self.seq += 1
+        for w, (role, model) in sorted(changes.items()):
+            assign = Assign(schema=SCHEMA_VERSION, epoch=self.seq, worker_id=w, role=role, model=model,
+                            reason=reason)
+            group = self.groups[model] if role == "learner" else None
+            await self.plane.send(w, Order(assign, self.t0, group))
+            await self.pub.send(assign)
+
+    # --- prompt dispatch ---
+    def _problems_for(self, batch_id: int) -> list[Problem]:
+        if batch_id not in self._problems:
+            Q = self.cfg.train.prompts_per_step
+            ps = [self.task.problem(pid) for pid in range(batch_id * Q, (batch_id + 1) * Q)]
+            self._problems[batch_id] = [Problem(p.prompt_id, p.task, p.question, p.answer) for p in ps]
+        return self._problems[batch_id]
+
+    def _may_issue(self, m: str) -> bool:
+        slowest = min(self.steps.values())
+        return (self.issued[m] - self.steps[m] < self.pool.max_inflight_batches
+                and self.issued[m] - slowest < self.pool.max_model_lead_batches)
+
+    def _dispatch(self, m: str) -> None:
+        while self.open.is_set() and self.pending[m] and (self.ready[m] or self._may_issue(m)):
+            if self.ready[m]:
+                batch = self.ready[m].popleft()
+            else:
+                k = self.issued[m]
+                self.issued[m] += 1
+                batch = PromptBatch(schema=SCHEMA_VERSION, run_id=self.run_dir.name, batch_id=k, model=m,
+                                    group_size=self.cfg.train.group_size, problems=self._problems_for(k))
+            asyncio.create_task(self.plane.send(self.pending[m].popleft(), Work(batch)))
+
+    async def _listen_plane(self) -> None:
+        while True:
+            wid, msg = await self.plane.recv()
+            if isinstance(msg, Hello):
+                self.hello.add(wid)
+            elif isinstance(msg, WantWork):
+                if self.assignment.get(wid) == ("generator", msg.model) and wid not in self.pending[msg.model]:
+                    self.pending[msg.model].append(wid)
+            elif isinstance(msg, HandBack):
+                self.ready[msg.batch.model].appendleft(msg.batch)
+                self.handbacks += 1
+            elif isinstance(msg, BatchDone):
+                self.done_batches[msg.model].append(msg.batch_id)
+                if msg.params_digest:
+                    self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
+                                       weight_version=msg.weight_version, params_digest=msg.params_digest)
+            elif isinstance(msg, StepDone):
+                self.steps[msg.model] = msg.step
+                self.trained[msg.model].update(msg.prompt_ids)
+            elif isinstance(msg, GroupFormed):
+                self._formed(msg)
+            elif isinstance(msg, LearnerFinal):
+                self.finals[msg.model] = msg
+            for m in self.names:
+                self._dispatch(m)
+            self.changed.set()
+
+    def _formed(self, msg: GroupFormed) -> None:
+        rec = self.formations.setdefault((msg.model, msg.epoch), {"model": msg.model, "epoch": msg.epoch,
+                                                                  "step": msg.step, "digests": {}})
+        rec["digests"][msg.worker_id] = msg.digest
+        if msg.rank == 0 and msg.epoch == 1:
+            if all((m, 1) in self.formations and self.groups[m].members[0] in self.formations[(m, 1)]["digests"]
+                   for m in self.names):
+                self.open.set()
+
+    async def _listen_stats(self) -> None:
+        while True:
+            msg = await self.sub.recv()
+            if isinstance(msg, Stats) and msg.worker_id in self.assignment:
+                self.latest[msg.worker_id] = msg
+
+    async def _watch(self) -> None:
+        """A dead worker ends the run: its role's state is gone (a learner group would wait on it)."""
+        while True:
+            await asyncio.sleep(0.5)
+            for a in self.actors:
+                if not a.alive and a.exitcode != 0:
+                    print(f"[pool] {a.name} exited with code {a.exitcode}", file=sys.stderr, flush=True)
+                    raise PoolFailed(f"{a.name} exited with code {a.exitcode} while the run was going")
+
+    async def _changed(self, timeout: float) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    # --- the end ---
+    async def _halt(self) -> None:
+        """Generators first (their last batches reach the log), then learners (they report what is queued)."""
+        workers = {a.name: a for a in self.actors}
+        gens = [w for w, (r, _) in self.assignment.items() if r != "learner"]
+        for w in gens:
+            await self.plane.send(w, Halt("end of run"))
+        deadline = time.time() + 60
+        while any(workers[w].alive for w in gens) and time.time() < deadline:
+            await asyncio.sleep(0.2)
+        for w, (r, _) in self.assignment.items():
+            if r == "learner":
+                await self.plane.send(w, Halt("end of run"))
+        deadline = time.time() + 60
+        while len(self.finals) < len(self.names) and time.time() < deadline:
+            await asyncio.sleep(0.2)
+
+    async def _shutdown(self) -> None:
+        await asyncio.to_thread(actors.stop_all, [a for a in self.actors if a.name != "broker"], 10.0)
+        await asyncio.to_thread(actors.stop_all, [a for a in self.actors if a.name == "broker"], 0.0)
+        for closer in (getattr(self, "sub", None), getattr(self, "pub", None), getattr(self, "plane", None)):
+            if closer is not None:
+                closer.close()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+
+    def _counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r, m in self.assignment.values():
+            counts[f"{r}:{m}"] = counts.get(f"{r}:{m}", 0) + 1
+        return counts
+
+    def _counts_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in sorted(self._counts().items()))
+
+    def _log_counts(self) -> None:
+        t = round(time.time() - getattr(self, "t_start", time.time()), 2)
+        self.timeline.append({"t": t, "counts": self._counts()})
+        if len(self.timeline) % 5 == 1:
+            self.metrics.write(event="allocation", t=t, counts=self._counts())
+
+    def _result(self, duration: float) -> PoolResult:
+        useful = self.useful_in_budget
+        G = self.cfg.train.group_size
+        audit = audit_log(self.run_dir / "experience_log", self.names, G, self.cfg.train.prompts_per_step,
+                          self.trained, {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.done_batches)
+        samples = len(useful) * G * len(self.names)
+        result = PoolResult(mode=self.pool.mode, duration_s=round(duration, 2), useful_prompts=len(useful),
+                            useful_samples=samples, useful_samples_per_s=samples / duration, steps=dict(self.steps),
+                            decisions=self.decisions, regroups=self.regroups, handbacks=self.handbacks,
+                            formations=sorted(self.formations.values(), key=lambda r: (r["model"], r["epoch"])),
+                            timeline=self.timeline, audit=audit)
+        (self.run_dir / "pool_result.json").write_bytes(msgspec.json.encode(result))
+        return result

@@ -1,0 +1,249 @@
+"""A pool worker: one process, one stand-in GPU, one role at a time.
+
+The worker obeys ``Order``s from the coordinator (``engine.pool``). Roles:
+
+- generator of model m: pulls prompt batches (``WantWork`` -> ``Work``), generates
+  with the engine's generator code (``engine.generator._generate``), pads the batch
+  to its cost (the compute budget), publishes the Experience to the broker. Weights
+  come from the model's ``WeightStore`` between batches, never inside one.
+- learner rank of model m: ``engine.poollearner.learn_role``.
+- idle.
+
+A role changes only at a step boundary: a generator finishes the batch it is on and
+hands back (``HandBack``) any batch it holds but has not started; a learner leaves
+when its group's leader ends the formation (``dataparallel.REGROUP``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from engine.config import RunConfig, tokenizer_cache
+from engine.dataparallel import params_digest
+from engine.generator import _generate
+from engine.plan import WorkerPlan
+from engine.poolconfig import PoolConfig
+from engine.poolplane import (BatchDone, GroupSpec, Halt, HandBack, Hello, Order, Regroup, WantWork, Work,
+                              WorkerPlane)
+from exchange.protocol import SCHEMA_VERSION, PromptBatch, Stats
+from exchange.transport import Publisher
+from policies.backend import HFBackend
+from policies.models import build_policy
+from tasks.registry import make_task
+from tokenbridge import load_tokenizer
+
+
+class PoolWorkerPlan(msgspec.Struct, frozen=True):
+    worker_id: str
+    index: int
+    run_id: str
+    run_dir: str
+    config: RunConfig
+    pool: PoolConfig
+    broker_in: str
+    broker_out: str
+    plane: str
+    warm_checkpoints: list[str]  # per model, in config.models order
+
+
+class WeightStore:
+    """Newest weights of each model as files: the leader writes, generators read between batches.
+
+    Generators join and leave all the time in a pool, so a broadcast group per model
+    would re-form on every move; a file per version (written to a temp name, then
+    renamed, so a reader never sees half a file) needs no membership at all.
+    """
+
+    def __init__(self, run_dir: str, model: str):
+        self.dir = Path(run_dir) / "pool" / "weights" / model
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"p{i:04d}": p.detach().contiguous() for i, p in enumerate(model.parameters())}
+        tmp = self.dir / f".{version:08d}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.dir / f"{version:08d}.safetensors")
+        for old in sorted(self.dir.glob("*.safetensors"))[:-3]:
+            old.unlink(missing_ok=True)
+
+    def newest(self) -> int:
+        files = sorted(self.dir.glob("*.safetensors"))
+        return int(files[-1].stem) if files else 0
+
+    def load(self, model: torch.nn.Module, version: int) -> bool:
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(self.dir / f"{version:08d}.safetensors"))
+        except FileNotFoundError:
+            return False  # pruned meanwhile: the caller tries the newest again next batch
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.copy_(tensors[f"p{i:04d}"])
+        return True
+
+
+class Inbox:
+    """What the coordinator has said: newest order, newest regroup per model, work, halt."""
+
+    def __init__(self) -> None:
+        self.order: Order | None = None
+        self.regroups: dict[str, GroupSpec] = {}
+        self.work: collections.deque[PromptBatch] = collections.deque()
+        self.halt = False
+        self.changed = asyncio.Event()
+
+    def newer_order(self, than: Order | None) -> bool:
+        return self.order is not None and (than is None or self.order.assign.epoch > than.assign.epoch)
+
+    async def wait(self, timeout: float | None = None) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+class Worker:
+    def __init__(self, plan: PoolWorkerPlan):
+        self.plan, self.id, self.cfg, self.pool = plan, plan.worker_id, plan.config, plan.pool
+        self.names = [m.name for m in self.cfg.models]
+        self.task = make_task(self.cfg.task)
+        self.inbox = Inbox()
+        self.role_now: tuple[str, str] | None = None
+        self.t0 = time.time()
+        self._policies: dict[str, tuple] = {}  # model -> (tokenizer, module, weight version held)
+        self.learners: dict[str, object] = {}  # model -> poollearner.LearnerCore (kept across formations)
+
+    async def start(self) -> None:
+        self.plane = WorkerPlane(self.plan.plane, self.id)
+        self.pub = Publisher(self.plan.broker_in)
+        self.listener = asyncio.create_task(self._listen())
+        self.listener.add_done_callback(lambda _: self.inbox.changed.set())
+        await self.plane.send(Hello(self.id, os.getpid()))
+
+    def close(self) -> None:
+        self.listener.cancel()
+        for core in self.learners.values():
+            core.close()
+        self.pub.close()
+        self.plane.close()
+
+    async def _listen(self) -> None:
+        while True:
+            msg = await self.plane.recv()
+            if isinstance(msg, Order):
+                self.inbox.order, self.t0 = msg, msg.t0
+            elif isinstance(msg, Regroup):
+                known = self.inbox.regroups.get(msg.group.model)
+                if known is None or msg.group.epoch > known.epoch:
+                    self.inbox.regroups[msg.group.model] = msg.group
+            elif isinstance(msg, Work):
+                if self.role_now == ("generator", msg.batch.model):
+                    self.inbox.work.append(msg.batch)
+                else:  # reassigned meanwhile: someone else generates it
+                    await self.plane.send(HandBack(self.id, msg.batch))
+            elif isinstance(msg, Halt):
+                self.inbox.halt = True
+            self.inbox.changed.set()
+
+    def check_listener(self) -> None:
+        if self.listener.done():
+            self.listener.result()  # re-raise what killed it: never work on a dead inbox
+
+    def policy(self, model: str) -> tuple:
+        """(tokenizer, module) of a model, built once per worker from the warm start."""
+        if model not in self._policies:
+            i = self.names.index(model)
+            spec = self.cfg.models[i]
+            tok = load_tokenizer(spec.tokenizer, tokenizer_cache(self.cfg))
+            module = build_policy(msgspec.structs.replace(spec, checkpoint=self.plan.warm_checkpoints[i]), tok)
+            self._policies[model] = [tok, module, 0]
+        return self._policies[model]
+
+    def cost_s(self, kind: str, model: str, started: float, samples: int) -> float:
+        return self.pool.cost(kind, model, started - self.t0) * samples
+
+    async def main(self) -> None:
+        done: Order | None = None
+        while True:
+            while not self.inbox.halt and not self.inbox.newer_order(done):
+                self.check_listener()
+                await self.inbox.wait()
+            if self.inbox.halt:
+                return
+            done = order = self.inbox.order
+            role, model = order.assign.role, order.assign.model
+            if role == "generator":
+                await self._generate_role(order)
+            elif role == "learner":
+                from engine.poollearner import learn_role
+
+                await learn_role(self, order.group)
+
+    async def _generate_role(self, order: Order) -> None:
+        model = order.assign.model
+        tok, module, _ = entry = self.policy(model)
+        store = WeightStore(self.plan.run_dir, model)
+        backend = HFBackend(module, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        plan = WorkerPlan(run_id=self.plan.run_id, run_dir=self.plan.run_dir, config=self.cfg,
+                          model_index=self.names.index(model), role="generator", worker_index=self.plan.index,
+                          broker_in=self.plan.broker_in, broker_out=self.plan.broker_out, weight_group="",
+                          warm_checkpoint=self.plan.warm_checkpoints[self.names.index(model)])
+        self.role_now = ("generator", model)
+        asked, checked, idle, window_start = False, False, 0.0, time.time()
+        try:
+            while not self.inbox.halt and not self.inbox.newer_order(order):
+                if not self.inbox.work:
+                    if not asked:
+                        await self.plane.send(WantWork(self.id, model))
+                        asked = True
+                    t = time.time()
+                    self.check_listener()
+                    await self.inbox.wait()
+                    idle += time.time() - t
+                    continue
+                batch, asked = self.inbox.work.popleft(), False
+                newest = store.newest()
+                if newest > entry[2] and await asyncio.to_thread(store.load, module, newest):
+                    entry[2] = newest
+                started = time.time()
+                exps = await asyncio.to_thread(_generate, plan, backend, tok, self.task, batch, entry[2], started)
+                await asyncio.sleep(max(0.0, started + self.cost_s("gen", model, started, len(exps)) - time.time()))
+                for exp in exps:
+                    await self.pub.send(exp)
+                await self.pub.flush()
+                digest = "" if checked else params_digest(module)
+                checked = True
+                await self.plane.send(BatchDone(self.id, model, batch.batch_id, len(exps), entry[2], digest))
+                window = time.time() - window_start
+                await self.pub.send(Stats(
+                    schema=SCHEMA_VERSION, worker_id=self.id, role="generator", model=model, time=time.time(),
+                    window_s=window, samples_per_s=len(exps) / window, idle_frac=idle / window,
+                    tokens_per_s=sum(len(e.completion_ids) // 4 for e in exps) / window, weight_version=entry[2]))
+                idle, window_start = 0.0, time.time()
+        finally:
+            self.role_now = None
+            while self.inbox.work:  # started batches are finished above; unstarted ones go back
+                await self.plane.send(HandBack(self.id, self.inbox.work.popleft()))
+
+
+async def run(payload: bytes) -> int:
+    plan = msgspec.msgpack.decode(payload, type=PoolWorkerPlan)
+    worker = Worker(plan)
+    await worker.start()
+    try:
+        await worker.main()
+    finally:
+        worker.close()
+    return 0

@@ -1,0 +1,73 @@
+"""No deadlock, no starvation: a learner waits for peers at most its deadline, counts the misses,
+and trains solo (saying so) once a peer has gone silent. Real tokenizers, real THL, real Experiences."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.ingest import Ingest
+from engine.poollearner import PeerWatch, wait_for_peers
+from exchange.protocol import SCHEMA_VERSION, Experience, pack_floats, pack_ids
+from policies.models import ModelSpec
+from tasks.registry import ArithmeticConfig, make_task
+from tokenbridge import load_tokenizer
+
+G = 2
+
+
+@pytest.fixture(scope="module")
+def ingest(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("tok"))
+    own_tok, peer_tok = load_tokenizer("gpt2", cache), load_tokenizer("mistral", cache)
+    spec = ModelSpec(name="gpt2", arch="gpt2", tokenizer="gpt2")
+    task = make_task(ArithmeticConfig(min_digits=1, max_digits=2, ops=["+"]))
+    return Ingest(spec, own_tok, {"llama": peer_tok}, task, G), own_tok, peer_tok
+
+
+def _exp(model: str, tok, prompt: int, k: int) -> Experience:
+    ids = tok.encode("12", add_special_tokens=False)
+    return Experience(schema=SCHEMA_VERSION, run_id="t", experience_id=f"{model}/{prompt}/{k}/g", model=model,
+                      task="arithmetic", prompt_id=prompt, sample_index=k, group_size=G, weight_version=0,
+                      prompt_ids=pack_ids([1, 2]), completion_ids=pack_ids(ids),
+                      behaviour_logprobs=pack_floats([-1.0] * len(ids)), completion_text="12", reward=1.0,
+                      verified=True, finish_reason="stop", created_at=0.0, generated_at=0.0)
+
+
+def test_peer_wait_ends_at_the_deadline_and_counts_the_miss(ingest):
+    inbox, own_tok, peer_tok = ingest
+    for p in (0, 1):
+        for k in range(G):
+            inbox.add(_exp("gpt2", own_tok, p, k))
+    for k in range(G):  # the peer completed prompt 0 only; one sample of prompt 1 arrived
+        inbox.add(_exp("llama", peer_tok, 0, k))
+    inbox.add(_exp("llama", peer_tok, 1, 0))
+    prompts = inbox.next_own_groups(2)
+    assert prompts == [0, 1]
+
+    waited = asyncio.run(wait_for_peers(inbox, prompts, ["llama"], 0.3, asyncio.Event()))
+    assert waited >= 0.3  # it did wait for the missing sample ...
+    own, peers, misses = inbox.take(prompts, ["llama"])  # ... and then went ahead with what arrived
+    assert len(own) == 2 * G and len(peers) == G + 1
+    assert misses == 1
+    inbox.add(_exp("llama", peer_tok, 1, 1))  # the straggler is counted late, never trained on
+    assert inbox.late == 1
+
+
+def test_complete_peers_do_not_wait(ingest):
+    inbox, own_tok, peer_tok = ingest
+    for k in range(G):
+        inbox.add(_exp("gpt2", own_tok, 5, k))
+        inbox.add(_exp("llama", peer_tok, 5, k))
+    assert asyncio.run(wait_for_peers(inbox, [5], ["llama"], 30.0, asyncio.Event())) < 30.0
+    assert inbox.take([5], ["llama"])[2] == 0
+
+
+def test_a_silent_peer_is_declared_dead_then_back():
+    watch = PeerWatch(["llama"], dead_after_s=10.0, now=100.0)
+    assert watch.update(105.0) == [] and watch.alive() == ["llama"]
+    notes = watch.update(111.0)
+    assert watch.alive() == [] and "training solo" in notes[0]
+    watch.heard("llama", 112.0)
+    assert "back" in watch.update(112.5)[0] and watch.alive() == ["llama"]
