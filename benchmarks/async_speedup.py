@@ -32,13 +32,15 @@ def rl_phase_seconds(run_dir: Path) -> float:
     return end - start
 
 
-def workload(models: int, workdir: Path) -> Path:
+def workload(models: int, task: str, workdir: Path) -> Path:
     """The smoke config, keeping its first ``models`` models (one model trains solo with GRPO)."""
     tree = tomllib.loads((ROOT / "configs" / "smoke.toml").read_text())
     tree["models"] = tree["models"][:models]
+    if task != tree["task"]["kind"]:
+        tree["task"] = {"kind": task}  # that task's defaults
     if models == 1:
         tree["objective"] = {"kind": "grpo"}
-    path = workdir / f"workload-{models}.toml"
+    path = workdir / f"workload-{models}-{task}.toml"
     path.write_text(tomli_w.dumps(tree))
     return path
 
@@ -67,16 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=int, default=1, choices=(1, 2),
                         help="1: the smoke workload's first model alone (default); 2: both models, which in sync mode "
                              "already keep both cores of a 2-core machine busy")
+    parser.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"),
+                        help="arithmetic: the smoke task (answers of 1-3 tokens, so generation is cheap next to "
+                             "training); countdown: expressions of 5-10 tokens (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for both runs (repeatable)")
     args = parser.parse_args(argv)
     steps = 8 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="async-speedup-") as tmp:
-        config = workload(args.models, Path(tmp))
+        config = workload(args.models, args.task, Path(tmp))
         sync_s = run_once("sync", steps, config, args.overrides)
         async_s = run_once("async", steps, config, args.overrides)
     print(json.dumps({"sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(sync_s / async_s, 3),
-                      "steps": steps, "models": args.models, "overrides": args.overrides}))
+                      "steps": steps, "models": args.models, "task": args.task, "overrides": args.overrides}))
     return 0
 
 

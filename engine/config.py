@@ -29,6 +29,7 @@ class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
 
     generators: int = 1  # generator processes for this model
     lr: float | None = None  # per-model learning rate; None = train.lr
+    warmstart_steps: int | None = None  # per-model warm-start length; None = warmstart.steps
 
 
 class RunSection(_Section):

@@ -53,8 +53,9 @@ def prepare_model(payload: bytes) -> int:
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
-    model = warm_start(spec, tokenizer, task, cfg.warmstart, warm_dir, progress=plan.progress)
-    checkpoint = warm_start_path(spec, tokenizer, task, cfg.warmstart, warm_dir)
+    ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
+    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress)
+    checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec, task, cfg, checkpoint)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr, eval_n=n)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))

@@ -21,7 +21,8 @@ _INTEGER = re.compile(r"-?\d+")
 class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbid_unknown_fields=True, frozen=True):
     """Two-operand integer arithmetic."""
 
-    min_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 1  # per operand, drawn uniformly
+    min_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 1  # operands are uniform over the values with
+    # min_digits..max_digits digits (uniform over values, not over digit counts, so 1-digit sums stay rare)
     max_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 2
     ops: tuple[Op, ...] = ("+",)
     non_negative: bool = True  # for "-": larger operand first, so answers have no sign
@@ -45,12 +46,28 @@ class ArithmeticTask:
 
     def __init__(self, config: ArithmeticConfig) -> None:
         self.config = config
+        self._eval: list[Problem] = []  # distinct held-out problems, in a fixed order
+        self._eval_questions: set[str] = set()
+        self._eval_draws = 0
 
     def problem(self, prompt_id: int) -> Problem:
         return self._draw(prompt_id, held_out=False)
 
     def eval_problem(self, index: int) -> Problem:
-        return self._draw(index, held_out=True)
+        """The index-th *distinct* held-out problem: n problems are n different questions."""
+        give_up = 100 * (index + 1) + 10_000
+        while len(self._eval) <= index:
+            if self._eval_draws > give_up:
+                raise ValueError(
+                    f"arithmetic task: only {len(self._eval)} distinct held-out questions were found; ask for fewer "
+                    "eval problems, or raise max_digits or eval_fraction"
+                )
+            p = self._draw(self._eval_draws, held_out=True)
+            self._eval_draws += 1
+            if p.question not in self._eval_questions:
+                self._eval_questions.add(p.question)
+                self._eval.append(Problem(prompt_id=len(self._eval), task=p.task, question=p.question, answer=p.answer))
+        return self._eval[index]
 
     def _draw(self, index: int, held_out: bool) -> Problem:
         """Draw from an id-seeded stream until the question falls in the wanted split."""
@@ -66,9 +83,8 @@ class ArithmeticTask:
                 return Problem(prompt_id=index, task=self.name, question=question, answer=answer)
 
     def _operand(self, rng: random.Random) -> int:
-        digits = rng.randint(self.config.min_digits, self.config.max_digits)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return rng.randint(low, 10**digits - 1)
+        low = 0 if self.config.min_digits == 1 else 10 ** (self.config.min_digits - 1)
+        return rng.randint(low, 10**self.config.max_digits - 1)
 
     def verify(self, problem: Problem, completion_text: str) -> Verdict:
         """Correct iff the whole completion (whitespace aside) is the exact integer answer."""
