@@ -4,6 +4,7 @@
     python launch.py run --config F       run a config
     python launch.py exchange tail ...    watch the live experience stream
     python launch.py exchange stats ...   message rates per topic
+    python launch.py pool --config F      run on a pool of workers that MWRA reassigns live
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
 
     engine_cli.add_commands(sub)
+    from engine import poolcli
+
+    poolcli.add_commands(sub)
     from exchange import cli as exchange_cli
 
     exchange_cli.add_commands(sub)
