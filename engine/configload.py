@@ -55,8 +55,8 @@ def _list_index(node: list, part: str, where: str, origin: str) -> int:
     return int(part)
 
 
-def load_config(path: str | Path, cls: type[T], overrides: list[str] = ()) -> T:
-    """Read a TOML file, apply overrides, decode into ``cls`` (strict: unknown keys are errors)."""
+def read_tree(path: str | Path, overrides: list[str] = ()) -> dict:
+    """A TOML file as a dict, with ``--set`` overrides applied (not yet typed)."""
     path = Path(path)
     try:
         tree = tomllib.loads(path.read_text())
@@ -67,7 +67,12 @@ def load_config(path: str | Path, cls: type[T], overrides: list[str] = ()) -> T:
     for text in overrides:
         key_path, value = parse_override(text)
         apply_override(tree, key_path, value, str(path))
-    return convert(tree, cls, str(path))
+    return tree
+
+
+def load_config(path: str | Path, cls: type[T], overrides: list[str] = ()) -> T:
+    """Read a TOML file, apply overrides, decode into ``cls`` (strict: unknown keys are errors)."""
+    return convert(read_tree(path, overrides), cls, str(path))
 
 
 def convert(tree: dict, cls: type[T], origin: str) -> T:

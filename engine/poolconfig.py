@@ -14,7 +14,6 @@ splits it off so the lead's ``RunConfig`` stays strict.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -22,7 +21,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.config import RunConfig, validate
-from engine.configload import ConfigError, apply_override, convert, parse_override
+from engine.configload import ConfigError, convert, read_tree
 from engine.controller import ControllerConfig, ModelLimits
 
 PosFloat = Annotated[float, Meta(gt=0)]
@@ -107,15 +106,7 @@ def check(cfg: RunConfig, pool: PoolConfig, origin: str) -> PoolConfig:
 def load_pool_run(path: str | Path, overrides: list[str] = ()) -> tuple[RunConfig, PoolConfig]:
     """Read one TOML file into (RunConfig, PoolConfig); ``--set pool.x=...`` reaches the pool section."""
     path = Path(path)
-    try:
-        tree = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    for text in overrides:
-        key_path, value = parse_override(text)
-        apply_override(tree, key_path, value, str(path))
+    tree = read_tree(path, overrides)
     pool_tree = tree.pop("pool", {})
     cfg = validate(convert(tree, RunConfig, str(path)), str(path))
     pool = convert({"pool": pool_tree}, _PoolFile, str(path)).pool
