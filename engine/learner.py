@@ -26,6 +26,7 @@ from engine.generator import ready_stats
 from engine.ingest import Ingest
 from engine.metrics import MetricsWriter
 from engine.plan import WorkerPlan
+from engine.optim import adamw
 from exchange.protocol import SCHEMA_VERSION, Control, Experience, Stats, WeightsReady
 from exchange.transport import Publisher, Subscriber
 from policies.backend import HFBackend
@@ -57,9 +58,7 @@ class Learner:
         self.model = build_policy(msgspec.structs.replace(spec, checkpoint=plan.warm_checkpoint), self.tokenizer)
         self.model.train()
         lr = spec.lr or cfg.train.lr
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=cfg.train.adam_betas, weight_decay=0.0
-        )
+        self.optimizer = adamw(self.model.parameters(), lr=lr, betas=cfg.train.adam_betas)
         self.task = make_task(cfg.task)
         peers = {m.name: load_tokenizer(m.tokenizer, cache) for m in cfg.models if m.name != spec.name}
         self.ingest = Ingest(spec, self.tokenizer, peers, self.task, cfg.train.group_size)

@@ -27,6 +27,7 @@ from engine.batching import PeerSample, build_batch
 from engine.config import tokenizer_cache
 from engine.ingest import Ingest
 from engine.metrics import MetricsWriter
+from engine.optim import adamw
 from engine.poolplane import GroupFormed, GroupSpec, LearnerFinal, StepDone
 from engine.poolworker import WeightStore, Worker
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, WeightsReady
@@ -89,8 +90,7 @@ class LearnerCore:
         self.tok, self.module, _ = worker.policy(model)
         self.module.train()
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.spec.lr or cfg.train.lr,
-                                      betas=cfg.train.adam_betas, weight_decay=0.0)
+        optimizer = adamw(self.module.parameters(), lr=self.spec.lr or cfg.train.lr, betas=cfg.train.adam_betas)
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + worker.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
         self.peers = [n for n in worker.names if n != model]

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.evaluation import evaluate
+from engine.optim import adamw
 from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import ModelLoadError, ModelSpec, build_policy, load_policy, save_policy
@@ -108,7 +109,7 @@ def train_on_solutions(
     progress: bool = True,
 ) -> WarmStartReport:
     """Supervised steps on worked solutions (NLL of the completion tokens, EOS included)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = adamw(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     ramp = lambda step: min(1.0, (step + 1) / max(1, config.warmup_steps))  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ramp)
     started, loss_value, accuracy, step = time.monotonic(), float("nan"), None, 0
