@@ -72,9 +72,11 @@ def preflight(cfg: RunConfig) -> None:
             load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
         except TokenizerLoadError as exc:
             raise ConfigError(f"models.{i}.tokenizer: {exc}") from None
+    from tasks.jsonl import TaskFileError
+
     try:
         make_task(cfg.task)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TaskFileError) as exc:
         raise ConfigError(f"task: {exc}") from None
 
 

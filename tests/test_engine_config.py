@@ -92,3 +92,14 @@ def test_launch_help_lists_subcommands(tmp_path):
     assert result.returncode == 0
     for word in ("run", "exchange"):
         assert word in result.stdout
+
+
+def test_launch_refuses_a_malformed_task_file(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": \n')
+    result = _launch("run", "--config", str(SMOKE), "--set", "task={kind='jsonl', path='" + str(data) + "'}",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "line 2" in result.stderr and str(data) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
