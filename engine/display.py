@@ -79,7 +79,7 @@ class LiveDisplay:
 
 def print_summary(cfg, preps, finals: dict[str, dict], samples: dict[str, int]) -> None:
     table = Table(title=f"mutual RL summary (objective: {cfg.objective.kind})")
-    for col in ("model", "warm-start acc", "after RL acc", "change (SE)", "steps", "samples seen",
+    for col in ("model", "warm-start acc", "after RL acc", "change (SE)", "steps", "samples trained",
                 "peer exp. used", "wall s"):
         table.add_column(col, justify="right")
     for prep in preps:

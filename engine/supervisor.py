@@ -33,7 +33,7 @@ from engine.plan import WorkerPlan
 from engine.prep import PrepPlan, PrepResult
 from engine.runfiles import free_port, make_run_dir, write_resolved_config
 from exchange.broker import Broker, BrokerConfig
-from exchange.protocol import SCHEMA_VERSION, Control, Experience, Problem, PromptBatch, Stats, WeightsReady
+from exchange.protocol import SCHEMA_VERSION, Control, Problem, PromptBatch, Stats, WeightsReady
 from exchange.transport import Publisher, Subscriber
 from tasks.registry import make_task
 
@@ -168,7 +168,8 @@ class Supervisor:
                               log_dir=str(self.run_dir / "experience_log"), name="broker")
         self.actors.append(actors.spawn("broker", "engine.supervisor:broker_entry", msgspec.msgpack.encode(broker)))
         self.pub = Publisher(self.broker_in)
-        self.sub = Subscriber(self.broker_out, ["weights.", "stats", "exp."], name="supervisor", lossless=False)
+        # Not "exp.": decoding every experience here would take CPU from the workers; counts come from metrics.
+        self.sub = Subscriber(self.broker_out, ["weights.", "stats"], name="supervisor", lossless=False)
         await self.sub.ready(timeout=60)
         (self.run_dir / "endpoints.json").write_text(json.dumps({"publish": self.broker_in, "subscribe": self.broker_out}) + "\n")
         print(f"watch the experience stream: python launch.py exchange tail --connect {self.broker_out}", flush=True)
@@ -240,9 +241,7 @@ class Supervisor:
     async def _listen(self) -> None:
         while True:
             msg = await self.sub.recv()
-            if isinstance(msg, Experience):
-                self.samples[msg.model] = self.samples.get(msg.model, 0) + 1
-            elif isinstance(msg, Stats) and msg.worker_id in self.expected and msg.worker_id not in self.ready:
+            if isinstance(msg, Stats) and msg.worker_id in self.expected and msg.worker_id not in self.ready:
                 self.ready.add(msg.worker_id)
                 self.changed.set()
             elif isinstance(msg, WeightsReady) and msg.model in self.version:
@@ -296,6 +295,8 @@ class Supervisor:
         tail = MetricsTail(self.run_dir / "metrics.jsonl")
         while True:
             for record in tail.read_new():
+                if "own_experiences" in record:  # samples the learner trained on
+                    self.samples[record["model"]] = record["own_experiences"]
                 if record.get("event") == "final":
                     self.finals[record["model"]] = record
                     self.changed.set()

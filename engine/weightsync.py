@@ -215,12 +215,16 @@ class WeightReceiver:
         self._shm = shm_slots
         self._slots: list[_FlatBuckets] | None = None  # mapped at the first sync: the learner creates them
         self._wire = _FlatBuckets(self._params, bucket_bytes) if shm_slots is None else None
+        self._release = None  # the pending slot-release barrier of the last shared-memory sync
         self.version = 0
 
     def receive(self) -> int:
         """Blocks until the learner's sync arrives; returns the version received."""
         header = torch.zeros(3, dtype=torch.int64)
         try:
+            if self._release is not None:
+                self._release.wait()
+                self._release = None
             dist.broadcast(header, src=0)
             version, n_buckets, slot = (int(x) for x in header)
             source = self._source(slot)
@@ -235,7 +239,9 @@ class WeightReceiver:
             with torch.no_grad():
                 source.unpack(self._params)
             if self._shm is not None:
-                dist.barrier()
+                # Release the slot without waiting for the learner's side of the barrier: the
+                # generator goes back to work at once; the next receive() completes it first.
+                self._release = dist.barrier(async_op=True)
         except WeightSyncError:
             raise
         except Exception as exc:
