@@ -7,9 +7,10 @@ header ``[version, n_buckets, slot]`` followed by the data plane:
 - bucketed broadcast (any host, GPU or CPU): the parameters packed into flat
   buckets of at most ``bucket_bytes``, each broadcast through torch.distributed;
 - shared memory (every rank on this host, CPU weights): the learner packs into one
-  of two ``/dev/shm`` slots, generators copy straight out of it, and a barrier on
-  the group releases the slot. The bytes cross the process boundary once instead
-  of through loopback TCP; torch.distributed still orders and times every sync.
+  of three ``/dev/shm`` slots and the generators' parameters become views of it (no
+  copy on their side); a barrier on the group tells the learner which slot is free.
+  The bytes are copied once instead of three times through loopback TCP;
+  torch.distributed still orders and times every sync.
 
 Invariants (why nobody hangs and nobody trains on mixed weights):
 - The learner never blocks on its generators: ``WeightSender.publish`` copies the
@@ -100,6 +101,17 @@ class _FlatBuckets:
         for idx, buf in zip(self.layout, self.buffers):
             torch.cat([params[i].detach().reshape(-1) for i in idx], out=buf)
 
+    def views(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's place in these buffers, shaped like it (zero-copy)."""
+        out: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for idx, buf in zip(self.layout, self.buffers):
+            offset = 0
+            for i in idx:
+                n = params[i].numel()
+                out[i] = buf[offset : offset + n].view_as(params[i])
+                offset += n
+        return out
+
     def unpack(self, params: list[torch.Tensor]) -> None:
         for idx, buf in zip(self.layout, self.buffers):
             offset = 0
@@ -110,9 +122,13 @@ class _FlatBuckets:
 
 
 def shm_paths(group_endpoint: str) -> list[str]:
-    """The two shared-memory slots of a weight group (double buffer), named after its endpoint."""
+    """The three shared-memory slots of a weight group, named after its endpoint.
+
+    Three, because at any moment one slot is read by the generators, one was just sent
+    (generators switch to it at their next batch boundary) and one is free for the
+    learner to pack into, so neither side ever waits for the other."""
     key = "".join(c if c.isalnum() else "-" for c in group_endpoint.split("://")[-1])
-    return [f"/dev/shm/mutual-rl-weights-{key}-{slot}" for slot in (0, 1)]
+    return [f"/dev/shm/mutual-rl-weights-{key}-{slot}" for slot in (0, 1, 2)]
 
 
 def data_plane(group_endpoint: str, model: torch.nn.Module) -> list[str] | None:
@@ -138,17 +154,17 @@ def _sync_params(model: torch.nn.Module) -> list[torch.Tensor]:
 class WeightSender:
     """Learner side (rank 0): snapshot on publish, send in a background thread.
 
-    ``shm_slots``: two shared-memory paths (``shm_paths``) for the same-host data plane;
-    None sends the buckets themselves through torch.distributed.
+    ``shm_slots``: the three shared-memory paths of ``shm_paths`` for the same-host data
+    plane; None sends the buckets themselves through torch.distributed.
     """
 
     def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  shm_slots: list[str] | None = None):
         self._params = _sync_params(model)
         self._shm = shm_slots
-        slots = shm_slots or [None, None]
-        self._slots = [_FlatBuckets(self._params, bucket_bytes, path) for path in slots]
-        self._staging, self._wire = self._slots
+        self._slots = [_FlatBuckets(self._params, bucket_bytes, path) for path in (shm_slots or [None, None])]
+        self._pack_slot = 0  # where publish() writes
+        self._read_slot: int | None = None  # shm: the slot the generators read from now
         self._cond = threading.Condition()
         self._staged_version = -1
         self._sent_version = -1
@@ -160,14 +176,14 @@ class WeightSender:
 
     @property
     def nbytes(self) -> int:
-        return self._staging.nbytes
+        return self._slots[0].nbytes
 
     def publish(self, version: int) -> None:
         """Stage the current parameters as ``version``; returns at once."""
         if self.error is not None:
             raise WeightSyncError(f"weight broadcast failed earlier: {self.error}") from self.error
         with self._cond:
-            self._staging.pack(self._params)
+            self._slots[self._pack_slot].pack(self._params)
             self._staged_version = version
             self._cond.notify()
 
@@ -178,17 +194,18 @@ class WeightSender:
                     self._cond.wait_for(lambda: self._closed or self._staged_version > self._sent_version)
                     if self._closed:
                         return
-                    version = self._staged_version
-                    # Swap, don't copy: publish() packs into the other slot while this one is read.
-                    self._staging, self._wire = self._wire, self._staging
-                slot = self._slots.index(self._wire)
-                header = torch.tensor([version, len(self._wire.buffers), slot], dtype=torch.int64)
+                    version, wire = self._staged_version, self._pack_slot
+                    # Pack the next version elsewhere: not into the slot on the wire, nor the one being read.
+                    busy = {wire, self._read_slot}
+                    self._pack_slot = next(i for i in range(len(self._slots)) if i not in busy)
+                header = torch.tensor([version, len(self._slots[wire].buffers), wire], dtype=torch.int64)
                 dist.broadcast(header, src=0)
                 if self._shm is None:
-                    for buf in self._wire.buffers:
+                    for buf in self._slots[wire].buffers:
                         dist.broadcast(buf, src=0)
                 else:
-                    dist.barrier()  # every generator has copied the slot out: it may be reused
+                    dist.barrier()  # every generator now reads `wire` and has left the previous slot
+                    self._read_slot = wire
                 self._sent_version = version
                 self.broadcasts += 1
         except BaseException as exc:  # surfaced on the next publish()
@@ -206,16 +223,20 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """Generator side: join the next sync and load it into the model (between batches only)."""
+    """Generator side: join the next sync and load it into the model (between batches only).
+
+    Shared-memory plane: the model's parameters become views of the slot just sent
+    (zero-copy); the learner never writes a slot a generator may still read.
+    """
 
     def __init__(self, model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  shm_slots: list[str] | None = None):
         self._params = _sync_params(model)
         self._bucket_bytes = bucket_bytes
         self._shm = shm_slots
-        self._slots: list[_FlatBuckets] | None = None  # mapped at the first sync: the learner creates them
+        self._views: list[list[torch.Tensor]] | None = None  # per slot; mapped at the first sync
         self._wire = _FlatBuckets(self._params, bucket_bytes) if shm_slots is None else None
-        self._release = None  # the pending slot-release barrier of the last shared-memory sync
+        self._release = None  # the pending barrier of the last shared-memory sync
         self.version = 0
 
     def receive(self) -> int:
@@ -227,20 +248,11 @@ class WeightReceiver:
                 self._release = None
             dist.broadcast(header, src=0)
             version, n_buckets, slot = (int(x) for x in header)
-            source = self._source(slot)
-            if n_buckets != len(source.buffers):
-                raise WeightSyncError(
-                    f"learner sent {n_buckets} weight buckets, this generator expects {len(source.buffers)}: "
-                    "the two sides were built from different model specs"
-                )
             if self._shm is None:
-                for buf in source.buffers:
-                    dist.broadcast(buf, src=0)
-            with torch.no_grad():
-                source.unpack(self._params)
-            if self._shm is not None:
-                # Release the slot without waiting for the learner's side of the barrier: the
-                # generator goes back to work at once; the next receive() completes it first.
+                self._receive_buckets(n_buckets)
+            else:
+                self._switch_to(slot, n_buckets)
+                # Tell the learner we left the previous slot, without waiting for its side.
                 self._release = dist.barrier(async_op=True)
         except WeightSyncError:
             raise
@@ -249,9 +261,24 @@ class WeightReceiver:
         self.version = version
         return version
 
-    def _source(self, slot: int) -> _FlatBuckets:
-        if self._shm is None:
-            return self._wire
-        if self._slots is None:
-            self._slots = [_FlatBuckets(self._params, self._bucket_bytes, path) for path in self._shm]
-        return self._slots[slot]
+    def _check(self, n_buckets: int, expected: int) -> None:
+        if n_buckets != expected:
+            raise WeightSyncError(
+                f"learner sent {n_buckets} weight buckets, this generator expects {expected}: "
+                "the two sides were built from different model specs"
+            )
+
+    def _receive_buckets(self, n_buckets: int) -> None:
+        self._check(n_buckets, len(self._wire.buffers))
+        for buf in self._wire.buffers:
+            dist.broadcast(buf, src=0)
+        with torch.no_grad():
+            self._wire.unpack(self._params)
+
+    def _switch_to(self, slot: int, n_buckets: int) -> None:
+        if self._views is None:  # the learner created the slots before its first header
+            mapped = [_FlatBuckets(self._params, self._bucket_bytes, path) for path in self._shm]
+            self._check(n_buckets, len(mapped[0].buffers))
+            self._views = [m.views(self._params) for m in mapped]
+        for param, view in zip(self._params, self._views[slot]):
+            param.data = view
