@@ -20,7 +20,6 @@ CLOCK_MONOTONIC, shared by processes. Median over rounds. The last stdout line i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import os

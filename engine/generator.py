@@ -102,7 +102,7 @@ async def _next_batch(inbox: _Inbox, listener: asyncio.Task) -> PromptBatch | No
 
 
 async def _work(plan, backend, receiver, tokenizer, task, pub, inbox: _Inbox, listener: asyncio.Task) -> None:
-    spec, train = plan.model, plan.config.train
+    spec = plan.model
     idle = 0.0
     window_start = time.time()
     while True:

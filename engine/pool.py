@@ -33,6 +33,7 @@ import msgspec
 
 from engine import actors
 from engine.controller import ControllerState, decide, initial_assignment, view_from_stats
+from engine.hub import start_hub
 from engine.metrics import MetricsWriter
 from engine.poolaudit import Audit, audit_log
 from engine.poolconfig import PoolConfig, controller_config
@@ -40,9 +41,7 @@ from engine.poolplane import (BatchDone, CoordinatorPlane, GroupFormed, GroupSpe
                               LearnerFinal, Order, Regroup, StepDone, WantWork, Work)
 from engine.poolworker import PoolWorkerPlan
 from engine.runfiles import free_port
-from exchange.broker import BrokerConfig
 from exchange.protocol import SCHEMA_VERSION, Assign, Problem, PromptBatch, Stats
-from exchange.transport import Publisher, Subscriber
 from tasks.registry import make_task
 
 
@@ -119,13 +118,9 @@ class PoolRun:
         return self._result(ended - self.t_start)
 
     async def _start(self, sock_dir: Path) -> None:
-        self.broker_in, self.broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
-        broker = BrokerConfig(frontend=self.broker_in, backend=self.broker_out,
-                              log_dir=str(self.run_dir / "experience_log"), name="broker")
-        self.actors.append(actors.spawn("broker", "engine.supervisor:broker_entry", msgspec.msgpack.encode(broker)))
-        self.pub = Publisher(self.broker_in)
-        self.sub = Subscriber(self.broker_out, ["stats"], name="pool", lossless=False)
-        await self.sub.ready(timeout=60)
+        hub = await start_hub(self.run_dir, sock_dir, ["stats"], "pool")
+        self.actors.append(hub.actor)
+        self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
         self.plane = CoordinatorPlane(f"ipc://{sock_dir}/plane")
         self.metrics = MetricsWriter(self.run_dir, "mwra")
         for i, wid in enumerate(self.ids):

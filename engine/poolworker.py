@@ -182,7 +182,7 @@ class Worker:
             if self.inbox.halt:
                 return
             done = order = self.inbox.order
-            role, model = order.assign.role, order.assign.model
+            role = order.assign.role
             if role == "generator":
                 await self._generate_role(order)
             elif role == "learner":

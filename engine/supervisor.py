@@ -28,13 +28,12 @@ from engine import actors, weightsync
 from engine.config import RunConfig, cache_root, load_run_config, tokenizer_cache
 from engine.configload import ConfigError
 from engine.display import LiveDisplay, print_summary
+from engine.hub import start_hub
 from engine.metrics import MetricsTail
 from engine.plan import WorkerPlan
 from engine.prep import PrepPlan, PrepResult
 from engine.runfiles import free_port, make_run_dir, write_resolved_config
-from exchange.broker import Broker, BrokerConfig
 from exchange.protocol import SCHEMA_VERSION, Control, Problem, PromptBatch, Stats, WeightsReady
-from exchange.transport import Publisher, Subscriber
 from tasks.registry import make_task
 
 
@@ -108,14 +107,6 @@ def prepare_models(cfg: RunConfig, run_dir: Path) -> list[PrepResult]:
     return results
 
 
-def broker_entry(payload: bytes) -> int:
-    """Broker process: stops on Control(stop) or SIGTERM (Ctrl-C is the supervisor's to handle)."""
-    broker = Broker(msgspec.msgpack.decode(payload, type=BrokerConfig))
-    signal.signal(signal.SIGTERM, broker.request_stop)
-    broker.run()
-    return 0
-
-
 class Supervisor:
     def __init__(self, cfg: RunConfig, run_dir: Path, preps: list[PrepResult]):
         self.cfg, self.run_dir, self.preps = cfg, run_dir, preps
@@ -163,14 +154,10 @@ class Supervisor:
         self.changed.set()
 
     async def _start(self, sock_dir: Path) -> None:
-        self.broker_in, self.broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
-        broker = BrokerConfig(frontend=self.broker_in, backend=self.broker_out,
-                              log_dir=str(self.run_dir / "experience_log"), name="broker")
-        self.actors.append(actors.spawn("broker", "engine.supervisor:broker_entry", msgspec.msgpack.encode(broker)))
-        self.pub = Publisher(self.broker_in)
         # Not "exp.": decoding every experience here would take CPU from the workers; counts come from metrics.
-        self.sub = Subscriber(self.broker_out, ["weights.", "stats"], name="supervisor", lossless=False)
-        await self.sub.ready(timeout=60)
+        hub = await start_hub(self.run_dir, sock_dir, ["weights.", "stats"], "supervisor")
+        self.actors.append(hub.actor)
+        self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
         (self.run_dir / "endpoints.json").write_text(json.dumps({"publish": self.broker_in, "subscribe": self.broker_out}) + "\n")
         print(f"watch the experience stream: python launch.py exchange tail --connect {self.broker_out}", flush=True)
         threads = self.cfg.train.threads_per_process
