@@ -5,6 +5,9 @@
 - A step takes the ``prompts_per_step`` oldest complete own groups. Objectives
   that use peers wait for the peers' groups on those prompts at most
   ``peer_deadline_s``, then use what has arrived and count the misses.
+- A peer that stops (it finished its steps, or the supervisor took it out of the
+  run after a crash) is no longer waited for: the learner says once, on stderr and
+  in metrics.jsonl, that it trains without it, and every step record says ``solo``.
 - Samples older than the objective's ``max_staleness`` are masked by the
   objective and counted; after each step the new weights are staged for the
   generators (``WeightSender``, never blocking) and announced (``WeightsReady``).
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import msgspec
@@ -66,7 +70,8 @@ class Learner:
         self.rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + plan.model_index)
         self.version = 0
         self.peer_version: dict[str, int] = {name: 0 for name in peers}
-        self.peer_done: set[str] = set()
+        self.peer_done: dict[str, str] = {}  # peer -> why it sends no more experience
+        self.peer_announced: set[str] = set()
         self.stop_requested = False
         self.arrived = asyncio.Event()
         self.started = time.time()
@@ -103,9 +108,11 @@ class Learner:
             elif isinstance(msg, WeightsReady) and msg.model in self.peer_version:
                 self.peer_version[msg.model] = max(self.peer_version[msg.model], msg.version)
                 if msg.step >= self.cfg.train.steps:
-                    self.peer_done.add(msg.model)
+                    self.peer_done.setdefault(msg.model, f"finished its {msg.step} steps")
             elif isinstance(msg, Control) and msg.command == "stop" and msg.target in ("*", self.spec.name):
                 self.stop_requested = True
+            elif isinstance(msg, Control) and msg.command == "stop" and msg.target in self.peer_version:
+                self.peer_done.setdefault(msg.target, msg.reason or "stopped")
             self.arrived.set()
 
     async def _wait(self, predicate, timeout: float | None = None) -> bool:
@@ -135,17 +142,31 @@ class Learner:
                 break
             prompts = self.ingest.next_own_groups(Q)
             peer_wait = 0.0
+            alive = lambda: [m for m in self.peer_version if m not in self.peer_done]
             if self.cfg.objective.kind != "grpo":
                 t_peer = time.time()
-                alive = lambda: [m for m in self.peer_version if m not in self.peer_done]
                 await self._wait(lambda: self.ingest.peers_complete(prompts, alive()), train.peer_deadline_s)
                 peer_wait = time.time() - t_peer
             idle = time.time() - t_wait
-            own, peers, misses = self.ingest.take(prompts, list(self.peer_version))
+            self._announce_gone_peers()
+            own, peers, misses = self.ingest.take(prompts, alive())
             record = await asyncio.to_thread(self._step, prompts, own, peers, misses)
-            record.update(idle_s=round(idle, 4), peer_wait_s=round(peer_wait, 4))
+            record.update(idle_s=round(idle, 4), peer_wait_s=round(peer_wait, 4),
+                          solo=bool(self.peer_version) and not alive(), peers_gone=sorted(self.peer_done))
             await self._after_step(record)
         await self._finish()
+
+    def _announce_gone_peers(self) -> None:
+        """Say once per peer, at the first step trained without it, that (and why) it is gone."""
+        for peer, why in self.peer_done.items():
+            if peer in self.peer_announced:
+                continue
+            self.peer_announced.add(peer)
+            left = [m for m in self.peer_version if m not in self.peer_done]
+            how = "solo" if not left else f"with {', '.join(left)} only"
+            print(f"[{self.spec.name}] peer {peer} sends no more experience ({why}): training {how} from step "
+                  f"{self.version + 1}", file=sys.stderr, flush=True)
+            self.metrics.write(event="peer_gone", step=self.version, peer=peer, reason=why, training=how)
 
     def _step(self, prompts: list[int], own: list, peers_all: list[PeerSample], misses: int) -> dict:
         t0 = time.time()

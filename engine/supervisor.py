@@ -6,9 +6,13 @@
         here: prompt scheduler, live display, child watch, signal handling
 
 Shutdown is always the same path, whatever triggers it (end of the run, time cap,
-Ctrl-C/SIGTERM, a child's death): Control(stop) to everyone, wait for the learners'
-final records, then stop every child (join, SIGTERM, SIGKILL), so no process and
-no socket outlives the run.
+Ctrl-C/SIGTERM, the broker's death, every model failed): Control(stop) to everyone,
+wait for the learners' final records, then stop every child (join, SIGTERM, SIGKILL),
+so no process and no socket outlives the run.
+
+A model whose process dies with an error leaves the run alone: Control(stop) to that
+model (its learner, if alive, checkpoints what it has), no more prompts for it, and
+its peers train solo from then on and say so. The run still exits non-zero.
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class Supervisor:
         self.changed = asyncio.Event()
         self.stopping = False
         self.failure: str | None = None
+        self.failed: dict[str, str] = {}  # model -> why it left the run
+        self.model_of: dict[str, str] = {}  # actor name -> model (the broker has none)
         self.actors: list[actors.Actor] = []
         self.groups: list[str] = []  # weight-sync group endpoints (their shm slots are removed at the end)
         self._problems: dict[int, list[Problem]] = {}
@@ -138,9 +144,10 @@ class Supervisor:
             await self._shutdown()
             shutil.rmtree(sock_dir, ignore_errors=True)
         print_summary(self.cfg, self.preps, self.finals, self.samples)
-        if self.failure:
-            (self.run_dir / "FAILED").write_text(self.failure + "\n")
-            print(f"error: {self.failure}", file=sys.stderr)
+        failure = self.failure or "; ".join(f"{m} failed: {why}" for m, why in self.failed.items())
+        if failure:
+            (self.run_dir / "FAILED").write_text(failure + "\n")
+            print(f"error: {failure}", file=sys.stderr)
             return 1
         return 0
 
@@ -171,6 +178,7 @@ class Supervisor:
                                   role=role, worker_index=index, broker_in=self.broker_in, broker_out=self.broker_out,
                                   weight_group=group, warm_checkpoint=prep.checkpoint, warm_eval=warm)
                 self.actors.append(actors.spawn(plan.worker_id, f"engine.{role}:run", plan.encode(), threads))
+                self.model_of[plan.worker_id] = m.name
                 self.expected.add(plan.worker_id)
         self._write_pids()
 
@@ -184,7 +192,7 @@ class Supervisor:
         tasks = [asyncio.create_task(c) for c in (self._listen(), self._schedule(), self._watch(), self._tail(display))]
         deadline = time.time() + self.cfg.run.max_minutes * 60
         try:
-            while not self.stopping and len(self.finals) < len(self.names):
+            while not self.stopping and not all(self._settled(n) for n in self.names):
                 self.changed.clear()
                 try:
                     await asyncio.wait_for(self.changed.wait(), timeout=max(0.0, deadline - time.time()))
@@ -198,6 +206,11 @@ class Supervisor:
                 t.cancel()
             display.close()
 
+    def _settled(self, model: str) -> bool:
+        """Nothing more will come from this model: it reported its final record, or it failed and its learner is gone."""
+        learner = next(a for a in self.actors if self.model_of.get(a.name) == model and ".l" in a.name)
+        return model in self.finals or (model in self.failed and not learner.alive)
+
     async def _send_stop(self) -> None:
         self.stopping = True
         for name in self.names:  # learners first: they checkpoint and evaluate
@@ -207,7 +220,7 @@ class Supervisor:
     async def _await_finals(self, timeout: float) -> None:
         deadline = time.time() + timeout
         learners = [a for a in self.actors if ".l" in a.name]
-        while len(self.finals) < len(self.names) and time.time() < deadline:
+        while not all(self._settled(n) for n in self.names) and time.time() < deadline:
             if all(not a.alive for a in learners) or self.failure:
                 break
             await asyncio.sleep(0.2)
@@ -251,7 +264,7 @@ class Supervisor:
             await self.changed.wait()
         while not self.stopping:
             for name in self.names:
-                while self.issued[name] < train.steps and self.issued[name] - self.version[name] < ahead:
+                while name not in self.failed and self.issued[name] < train.steps and self.issued[name] - self.version[name] < ahead:
                     k = self.issued[name]
                     await self.pub.send(PromptBatch(
                         schema=SCHEMA_VERSION, run_id=self.run_id, batch_id=k, model=name,
@@ -263,7 +276,10 @@ class Supervisor:
             await self.changed.wait()
 
     async def _watch(self) -> None:
-        """Any child that dies with an error ends the run (a learner exits 0 after its final record)."""
+        """A child that dies with an error takes its model out of the run (the broker: the whole run).
+
+        A learner exits 0 after its final record; anything else that exits during the run failed.
+        """
         seen: set[str] = set()
         while True:
             await asyncio.sleep(0.5)
@@ -273,10 +289,29 @@ class Supervisor:
                 seen.add(actor.name)
                 if actor.exitcode == 0 and (self.stopping or ".l" in actor.name):
                     continue
-                self.failure = f"{actor.name} exited with code {actor.exitcode} while the run was going"
-                self.stopping = True
-                self.changed.set()
-                return
+                why = f"{actor.name} exited with code {actor.exitcode} while the run was going"
+                model = self.model_of.get(actor.name)
+                if model is None or model in self.failed or self.stopping:
+                    if model not in self.failed:
+                        self.failure = self.failure or why
+                        self.stopping = True
+                    self.changed.set()
+                    continue
+                await self._model_failed(model, why)
+
+    async def _model_failed(self, model: str, why: str) -> None:
+        """Stop one model; its peers train solo (their learners see the stop and stop waiting for it)."""
+        self.failed[model] = why
+        survivors = [n for n in self.names if n not in self.failed]
+        if not survivors:
+            self.failure = "; ".join(f"{m} failed: {w}" for m, w in self.failed.items())
+            self.stopping = True
+        else:
+            print(f"\n[run] {why}: {model} leaves the run (its learner checkpoints what it has); "
+                  f"{', '.join(survivors)} {'trains' if len(survivors) == 1 else 'train'} without it", flush=True)
+            await self.pub.send(Control(schema=SCHEMA_VERSION, command="stop", target=model, reason=f"failed: {why}"))
+            await self.pub.flush()
+        self.changed.set()
 
     async def _tail(self, display: LiveDisplay) -> None:
         tail = MetricsTail(self.run_dir / "metrics.jsonl")

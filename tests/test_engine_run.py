@@ -164,14 +164,36 @@ def test_sigterm_stops_cleanly_with_checkpoints(tmp_path, cache_dir):
     assert run.leftover() == []
 
 
-def test_death_of_a_child_stops_the_run_with_an_error(tmp_path, cache_dir):
+def test_a_model_whose_process_dies_leaves_its_peer_training_solo(tmp_path, cache_dir):
+    run = Run(tmp_path / "run", cache_dir, "train.steps=20", "run.max_minutes=5")
+    assert run.wait_for(lambda: len(run.steps("llama")) >= 2, timeout=300), "no training steps appeared"
+    run.track()
+    pids = json.loads((run.run_dir / "pids.json").read_text())
+    os.kill(pids["llama.g0"], signal.SIGKILL)
+    code, out = run.finish(timeout=300)
+    assert code == 1, out[-3000:]  # a model failed: the run says so in its exit code ...
+    assert "llama.g0 exited with code -9" in out and "gpt2 trains without it" in out
+    assert "llama failed" in (run.run_dir / "FAILED").read_text()
+    finals = {r["model"]: r for r in run.records() if r.get("event") == "final"}
+    assert finals["gpt2"]["step"] == 20 and not finals["gpt2"]["stopped_early"]  # ... but its peer went on
+    assert finals["llama"]["stopped_early"] and finals["llama"]["step"] < 20  # the failed model checkpointed
+    gone = [r for r in run.records() if r.get("event") == "peer_gone" and r["model"] == "gpt2"]
+    assert len(gone) == 1 and gone[0]["peer"] == "llama" and "llama.g0" in gone[0]["reason"]
+    assert "[gpt2] peer llama sends no more experience" in out
+    after = [s for s in run.steps("gpt2") if s["step"] > gone[0]["step"]]
+    assert after and all(s["solo"] and s["peers_gone"] == ["llama"] for s in after)
+    assert all(s["peer_wait_s"] < 1.0 for s in after)  # no deadline waits for a peer that is gone
+    assert run.leftover() == []
+
+
+def test_death_of_the_broker_stops_the_run_with_an_error(tmp_path, cache_dir):
     run = Run(tmp_path / "run", cache_dir, "train.steps=1000", "run.max_minutes=5")
     assert run.wait_for(lambda: len(run.steps()) >= 2, timeout=300), "no training steps appeared"
     run.track()
     pids = json.loads((run.run_dir / "pids.json").read_text())
-    os.kill(pids["gpt2.g0"], signal.SIGKILL)
+    os.kill(pids["broker"], signal.SIGKILL)
     code, out = run.finish(timeout=300)
     assert code == 1, out[-3000:]
-    assert "gpt2.g0 exited with code" in out
+    assert "broker exited with code -9" in out
     assert (run.run_dir / "FAILED").exists()
     assert run.leftover() == []
