@@ -79,6 +79,7 @@ class PoolRun:
         self.ready = {m: collections.deque() for m in self.names}  # issued batches nobody holds (handed back)
         self.issued = {m: 0 for m in self.names}
         self.steps = {m: 0 for m in self.names}
+        self.stepped_at = {m: time.time() for m in self.names}  # when each model's learner last stepped
         self.trained: dict[str, set[int]] = {m: set() for m in self.names}
         self.done_batches: dict[str, list[int]] = {m: [] for m in self.names}
         self.finals: dict[str, LearnerFinal] = {}
@@ -154,6 +155,7 @@ class PoolRun:
         except TimeoutError:
             raise PoolFailed("the learner groups did not form in time") from None
         self.t_start = time.time()  # the budget starts when work can flow (costs count from t0, the orders)
+        self.stepped_at = {m: self.t_start for m in self.names}
         for m in self.names:
             self._dispatch(m)
 
@@ -168,6 +170,8 @@ class PoolRun:
                 await self._apply({move.worker: (move.role, move.model)}, f"scripted move at {move.at_s:g}s")
             if self.pool.mode == "mwra":
                 await self._decide(now)
+            for m in self.names:  # a peer may have fallen silent meanwhile: its lead limit no longer holds
+                self._dispatch(m)
             self._log_counts()
             if now >= next_log:
                 next_log = now + 5
@@ -244,7 +248,14 @@ class PoolRun:
         return self._problems[batch_id]
 
     def _may_issue(self, m: str) -> bool:
-        slowest = min(self.steps.values())
+        """Within the model's lead over its own learner and over the slowest *live* peer's learner.
+
+        A peer whose learner has not stepped for ``peer_dead_after_s`` is presumed dead (its
+        learners train solo then, see engine.poollearner.PeerWatch), so it holds nobody back.
+        """
+        now = time.time()
+        live = [n for n in self.names if n == m or now - self.stepped_at[n] <= self.pool.peer_dead_after_s]
+        slowest = min(self.steps[n] for n in live)
         return (self.issued[m] - self.steps[m] < self.pool.max_inflight_batches
                 and self.issued[m] - slowest < self.pool.max_model_lead_batches)
 
@@ -277,6 +288,7 @@ class PoolRun:
                                        weight_version=msg.weight_version, params_digest=msg.params_digest)
             elif isinstance(msg, StepDone):
                 self.steps[msg.model] = msg.step
+                self.stepped_at[msg.model] = time.time()
                 self.trained[msg.model].update(msg.prompt_ids)
             elif isinstance(msg, GroupFormed):
                 self._formed(msg)
