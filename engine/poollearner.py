@@ -81,7 +81,11 @@ async def wait_for_peers(ingest: Ingest, prompts: list[int], peers: list[str], d
 
 
 class LearnerCore:
-    """One worker's learner state for one model; kept while the worker is away, refreshed on rejoin."""
+    """One worker's learner state for one model, held while the worker is a rank of its group.
+
+    The worker drops it when it leaves the group (``Worker._switch_to``); a rank that
+    joins later builds a fresh one and receives the whole state from rank 0.
+    """
 
     def __init__(self, worker: Worker, model: str):
         self.worker, self.model_name = worker, model
@@ -212,6 +216,7 @@ async def learn_role(worker: Worker, group: GroupSpec) -> None:
             await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout)
             try:
                 await asyncio.to_thread(dp.sync_state, core.state, rank)
+                worker.acquired()  # a role switch's new memory is taken once the state has arrived
                 await worker.plane.send(GroupFormed(worker.id, model, group.epoch, rank, core.state.version,
                                                     dp.state_digest(core.state)))
                 core.last_stats = time.time()

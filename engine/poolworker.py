@@ -12,6 +12,14 @@ The worker obeys ``Order``s from the coordinator (``engine.pool``). Roles:
 A role changes only at a step boundary: a generator finishes the batch it is on and
 hands back (``HandBack``) any batch it holds but has not started; a learner leaves
 when its group's leader ends the formation (``dataparallel.REGROUP``).
+
+At that boundary the worker first releases what the new role does not reuse, then
+takes the new role's memory (``Worker._switch_to``, then ``Worker.acquired``): the old
+learner state (module, gradients, AdamW moments) and the old generator backend and
+module go before the new ones are built, as a GPU would need. Only the module of the
+same model survives a generator <-> learner switch. Each switch is one ``role_switch``
+line of metrics.jsonl with the bytes held before, after the release and after the
+new role took its memory.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -28,10 +38,12 @@ import torch
 from engine.config import RunConfig, tokenizer_cache
 from engine.dataparallel import params_digest
 from engine.generator import _generate
+from engine.metrics import MetricsWriter
 from engine.plan import WorkerPlan
 from engine.poolconfig import PoolConfig
 from engine.poolplane import (BatchDone, GroupSpec, Halt, HandBack, Hello, Order, Regroup, WantWork, Work,
                               WorkerPlane)
+from engine.rolememory import RoleSwitch, device_bytes, held_bytes, release, still_alive
 from exchange.protocol import SCHEMA_VERSION, PromptBatch, Stats
 from exchange.transport import Publisher
 from policies.backend import HFBackend
@@ -113,6 +125,9 @@ class Inbox:
             pass
 
 
+Role = tuple[str, str]  # (role, model); model is "" for idle
+
+
 class Worker:
     def __init__(self, plan: PoolWorkerPlan):
         self.plan, self.id, self.cfg, self.pool = plan, plan.worker_id, plan.config, plan.pool
@@ -121,12 +136,18 @@ class Worker:
         self.inbox = Inbox()
         self.role_now: tuple[str, str] | None = None
         self.t0 = time.time()
-        self._policies: dict[str, tuple] = {}  # model -> (tokenizer, module, weight version held)
-        self.learners: dict[str, object] = {}  # model -> poollearner.LearnerCore (kept across formations)
+        self._tokenizers: dict[str, object] = {}  # model -> tokenizer (host memory, kept)
+        self._policies: dict[str, list] = {}  # model -> [tokenizer, module, weight version held]; current role's only
+        self.learners: dict[str, object] = {}  # model -> poollearner.LearnerCore, while this worker is its rank
+        self.backend: HFBackend | None = None  # the generator role's inference engine
+        self.device = torch.device("cpu")  # where the modules live (device_bytes measures there)
+        self._role: Role | None = None  # the role taken last (None before the first order)
+        self._switch: RoleSwitch | None = None  # released, waiting for the new role to take its memory
 
     async def start(self) -> None:
         self.plane = WorkerPlane(self.plan.plane, self.id)
         self.pub = Publisher(self.plan.broker_in)
+        self.metrics = MetricsWriter(self.plan.run_dir, "mwra")
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: self.inbox.changed.set())
         await self.plane.send(Hello(self.id, os.getpid()))
@@ -137,6 +158,7 @@ class Worker:
             core.close()
         self.pub.close()
         self.plane.close()
+        self.metrics.close()
 
     async def _listen(self) -> None:
         while True:
@@ -160,15 +182,88 @@ class Worker:
         if self.listener.done():
             self.listener.result()  # re-raise what killed it: never work on a dead inbox
 
-    def policy(self, model: str) -> tuple:
-        """(tokenizer, module) of a model, built once per worker from the warm start."""
+    def policy(self, model: str) -> list:
+        """[tokenizer, module, version] of a model; a module not held is built from the warm start (version 0)."""
         if model not in self._policies:
             i = self.names.index(model)
             spec = self.cfg.models[i]
-            tok = load_tokenizer(spec.tokenizer, tokenizer_cache(self.cfg))
+            if model not in self._tokenizers:
+                self._tokenizers[model] = load_tokenizer(spec.tokenizer, tokenizer_cache(self.cfg))
+            tok = self._tokenizers[model]
             module = build_policy(msgspec.structs.replace(spec, checkpoint=self.plan.warm_checkpoints[i]), tok)
+            self.device = next(module.parameters()).device
             self._policies[model] = [tok, module, 0]
         return self._policies[model]
+
+    # --- role switches: release the old role's memory, then take the new one's ---
+    def _holdings(self) -> list:
+        """Everything of a role this worker references: modules (weights, grads), optimizers (moments)."""
+        held: list = [entry[1] for entry in self._policies.values()]
+        held += [core.state.optimizer for core in self.learners.values()]
+        if self.backend is not None:
+            held.append(self.backend.model)
+        return held
+
+    def _switch_to(self, new: Role) -> None:
+        """Drop what ``new`` does not reuse and give the memory back, before ``new`` builds anything."""
+        old, self._role = self._role, new
+        if old is None or old == new:
+            return  # the first role is no switch; the same role again keeps what it has
+        started = time.time()
+        before, dev_before = held_bytes(*self._holdings()), device_bytes(self.device)
+        dropped, reused = self._drop_unreused(new)
+        release()
+        self._switch = RoleSwitch(
+            worker=self.id, from_role=old[0], from_model=old[1], to_role=new[0], to_model=new[1], reused=reused,
+            released_alive=still_alive(dropped), release_s=round(time.time() - started, 4),
+            held_bytes_before=before, held_bytes_after_release=held_bytes(*self._holdings()),
+            device_bytes_before=dev_before, device_bytes_after_release=device_bytes(self.device))
+        if new[0] == "idle":
+            self.acquired()  # idle takes nothing
+
+    def _drop_unreused(self, new: Role) -> tuple[list[weakref.ref], list[str]]:
+        """Forget the old role's state; returns weak references to what was dropped, and what is kept.
+
+        - The generator backend always goes (an engine with its own weights and KV pool,
+          such as sglang, would be shut down here).
+        - A learner core goes with its gradients and AdamW state unless ``new`` is that same
+          learner. That loses nothing: the group's other ranks hold the same state, and a
+          rank that joins later receives all of it from rank 0 (``dataparallel.sync_state``).
+          Rank 0 never leaves while its group exists (``engine.pool._keep_leaders``).
+        - A module is kept only for the same model's other role (generator <-> learner rank):
+          its weights are the model's, and the new role overwrites them anyway (the learner
+          from rank 0, the generator from the WeightStore).
+        """
+        role, model = new
+        dropped: list[weakref.ref] = []
+        if self.backend is not None:
+            dropped.append(weakref.ref(self.backend))
+            self.backend = None
+        for m, core in list(self.learners.items()):
+            if new == ("learner", m):
+                continue
+            if core.sub is not None:  # the leader's inbox: cannot happen (leaders never move); never lose it
+                print(f"[pool] {self.id}: keeping {m}'s learner state, it holds the group's inbox", file=sys.stderr)
+                continue
+            del self.learners[m]
+            core.close()
+            dropped.append(weakref.ref(core.state.optimizer))
+            for p in core.module.parameters():
+                p.grad = None  # gradients are the learner role's, even where the module stays
+        keep = model if role in ("generator", "learner") else None
+        for m in list(self._policies):
+            if m != keep and not any(c.model_name == m for c in self.learners.values()):
+                dropped.append(weakref.ref(self._policies.pop(m)[1]))
+        return dropped, [f"module:{m}" for m in self._policies] + [f"learner:{m}" for m in self.learners]
+
+    def acquired(self) -> None:
+        """The new role holds its memory now: measure, and write the switch's metrics line."""
+        switch, self._switch = self._switch, None
+        if switch is None:
+            return
+        switch.held_bytes_after_acquire = held_bytes(*self._holdings())
+        switch.device_bytes_after_acquire = device_bytes(self.device)
+        self.metrics.write(event="role_switch", **msgspec.structs.asdict(switch))
 
     def cost_s(self, kind: str, model: str, started: float, samples: int) -> float:
         return self.pool.cost(kind, model, started - self.t0) * samples
@@ -183,6 +278,7 @@ class Worker:
                 return
             done = order = self.inbox.order
             role = order.assign.role
+            self._switch_to((role, order.assign.model if role != "idle" else ""))
             if role == "generator":
                 await self._generate_role(order)
             elif role == "learner":
@@ -194,8 +290,11 @@ class Worker:
         model = order.assign.model
         tok, module, _ = entry = self.policy(model)
         store = WeightStore(self.plan.run_dir, model)
-        backend = HFBackend(module, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        self.backend = backend = HFBackend(module, eos_token_id=tok.eos_token_id,
+                                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
+                                           else tok.eos_token_id)
+        await _load_newest(store, entry)  # a module rebuilt from the warm start never generates as version 0
+        self.acquired()
         plan = WorkerPlan(run_id=self.plan.run_id, run_dir=self.plan.run_dir, config=self.cfg,
                           model_index=self.names.index(model), role="generator", worker_index=self.plan.index,
                           broker_in=self.plan.broker_in, broker_out=self.plan.broker_out, weight_group="",
@@ -214,9 +313,7 @@ class Worker:
                     idle += time.time() - t
                     continue
                 batch, asked = self.inbox.work.popleft(), False
-                newest = store.newest()
-                if newest > entry[2] and await asyncio.to_thread(store.load, module, newest):
-                    entry[2] = newest
+                await _load_newest(store, entry)
                 started = time.time()
                 exps = await asyncio.to_thread(_generate, plan, backend, tok, self.task, batch, entry[2], started)
                 await asyncio.sleep(max(0.0, started + self.cost_s("gen", model, started, len(exps)) - time.time()))
@@ -236,6 +333,16 @@ class Worker:
             self.role_now = None
             while self.inbox.work:  # started batches are finished above; unstarted ones go back
                 await self.plane.send(HandBack(self.id, self.inbox.work.popleft()))
+
+
+async def _load_newest(store: WeightStore, entry: list) -> None:
+    """Bring ``entry``'s module to the newest published version; ``entry[2]`` says which it holds.
+
+    A file pruned between ``newest`` and ``load`` means a newer one exists: try that.
+    """
+    while (newest := store.newest()) > entry[2]:
+        if await asyncio.to_thread(store.load, entry[1], newest):
+            entry[2] = newest
 
 
 async def run(payload: bytes) -> int:
