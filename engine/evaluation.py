@@ -49,3 +49,19 @@ def evaluate(
             correct += task.verify(problem, text).verified
     accuracy = correct / num_problems
     return EvalResult(accuracy=accuracy, stderr=math.sqrt(accuracy * (1 - accuracy) / num_problems), n=num_problems)
+
+
+def evaluate_checkpoint(cfg, model, checkpoint) -> EvalResult:
+    """Held-out accuracy of a saved policy of run-config model entry ``model`` (greedy, ``cfg.eval``)."""
+    from engine.config import tokenizer_cache
+    from policies.backend import HFBackend
+    from policies.models import load_policy
+    from tasks.registry import make_task
+    from tokenbridge import load_tokenizer
+
+    tokenizer = load_tokenizer(model.tokenizer, tokenizer_cache(cfg))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    backend = HFBackend(load_policy(checkpoint).eval(), eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    ev = cfg.eval
+    return evaluate(backend, tokenizer, model.arch, make_task(cfg.task), ev.num_problems, temperature=ev.temperature,
+                    batch_size=ev.batch_size, max_new_tokens=cfg.train.max_new_tokens)

@@ -16,38 +16,57 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     pool.set_defaults(handler=main)
 
 
-def run_pool(cfg, pool, run_dir: Path, quiet: bool = False):
-    """Warm starts (cached), then the pool run; returns its ``PoolResult``."""
+def run_pool(cfg, pool, run_dir: Path, quiet: bool = False, evaluate: bool = False):
+    """Warm starts (cached), then the pool run; returns its ``PoolResult``.
+
+    ``evaluate``: afterwards, the held-out accuracy of every model's final checkpoint
+    against its warm start, printed as the engine's summary table.
+    """
     import uvloop
 
     from engine.pool import PoolRun
     from engine.supervisor import prepare_models
 
     preps = prepare_models(cfg, run_dir)
-    return uvloop.run(PoolRun(cfg, pool, run_dir, [p.checkpoint for p in preps], quiet=quiet).run())
+    result = uvloop.run(PoolRun(cfg, pool, run_dir, [p.checkpoint for p in preps], quiet=quiet).run())
+    if evaluate:
+        _final_eval(cfg, preps, run_dir, result)
+    return result
+
+
+def _final_eval(cfg, preps, run_dir: Path, result) -> None:
+    from engine.display import print_summary
+    from engine.evaluation import evaluate_checkpoint
+
+    finals, samples = {}, {}
+    print(f"[pool] held-out evaluation of the final checkpoints ({cfg.eval.num_problems} problems each) ...",
+          flush=True)
+    for m in cfg.models:
+        ckpt = run_dir / "checkpoints" / m.name
+        samples[m.name] = result.steps[m.name] * cfg.train.prompts_per_step * cfg.train.group_size
+        if not (ckpt / "config.json").exists():
+            print(f"[pool] {m.name}: no final checkpoint at {ckpt}; not evaluated", file=sys.stderr, flush=True)
+            continue
+        ev = evaluate_checkpoint(cfg, m, ckpt)
+        finals[m.name] = {"accuracy": ev.accuracy, "accuracy_stderr": ev.stderr, "step": result.steps[m.name],
+                          "wall_s": result.duration_s}
+    print_summary(cfg, preps, finals, samples)
 
 
 def main(args: argparse.Namespace) -> int:
     import msgspec
 
-    from engine.configload import ConfigError
     from engine.pool import PoolFailed
     from engine.poolconfig import load_pool_run
-    from engine.runfiles import make_run_dir, write_resolved_config
-    from engine.supervisor import RunFailed, preflight
+    from engine.supervisor import RunFailed, open_run
 
-    try:
-        cfg, pool = load_pool_run(args.config, args.overrides)
-        preflight(cfg)
-        run_dir = make_run_dir(args.run_dir)
-    except (ConfigError, FileExistsError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    opened = open_run(args, load_pool_run)
+    if opened is None:
         return 2
-    write_resolved_config(cfg, run_dir)
+    (cfg, pool), run_dir = opened
     (run_dir / "pool.json").write_bytes(msgspec.json.encode(pool))
-    print(f"run dir: {run_dir}", flush=True)
     try:
-        result = run_pool(cfg, pool, run_dir)
+        result = run_pool(cfg, pool, run_dir, evaluate=True)
     except (RunFailed, PoolFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         (run_dir / "FAILED").write_text(str(exc) + "\n")

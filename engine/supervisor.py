@@ -45,16 +45,26 @@ class RunFailed(RuntimeError):
     """The run could not complete; the message says which part failed."""
 
 
-def main(args) -> int:
+def open_run(args, load=load_run_config) -> tuple[object, Path] | None:
+    """Config (``load(path, overrides)``), pre-flight checks, a fresh run dir; bad input: one line, None."""
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        loaded = load(args.config, args.overrides)
+        cfg = loaded[0] if isinstance(loaded, tuple) else loaded
         preflight(cfg)
         run_dir = make_run_dir(args.run_dir)
     except (ConfigError, FileExistsError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return None
     write_resolved_config(cfg, run_dir)
     print(f"run dir: {run_dir}", flush=True)
+    return loaded, run_dir
+
+
+def main(args) -> int:
+    opened = open_run(args)
+    if opened is None:
+        return 2
+    cfg, run_dir = opened
     try:
         preps = prepare_models(cfg, run_dir)
         import uvloop
