@@ -1,6 +1,6 @@
 """MWRA on real processes: the best fixed split vs. MWRA, same wall-clock budget.
 
-    python -m benchmarks.mwra [--quick] [--plot PATH]
+    python -m benchmarks.mwra [--quick] [--repeats N] [--check-runner-up] [--plot PATH]
 
 What a worker is: one process standing in for one GPU. Its compute budget is a cost
 model (``engine/poolconfig.py``): generating one sample of model m costs ``gen_s[m]``
@@ -15,8 +15,9 @@ show): no fixed split is right for the whole run.
 
 Best fixed split: every split of the workers over the four pools (generator/learner x
 model, at least one each) is scored with the cost model (the slowest pool's prompt
-rate, averaged over the two phases); the best one is run for real (``--check-runner-up``
-also runs the second best, to show the pick by measurement). MWRA starts from an even
+rate, averaged over the two phases); the best one is run for real (``--static-candidates K``
+runs the K best-ranked ones and keeps the best *measured*: several splits tie in the cost
+model). ``--repeats N`` runs the whole comparison N times; the ratio pools them. MWRA starts from an even
 split and is driven by the live Stats. Both count only samples of prompts that every
 model generated AND trained on. The run also checks, against the broker's experience
 log, that no experience was lost or duplicated across reassignments.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import dataclass
 import json
 import sys
 import tempfile
@@ -36,6 +38,16 @@ from pathlib import Path
 import msgspec
 
 CONFIG = "configs/pool.toml"
+
+
+@dataclass
+class Pair:
+    """One repeat: the best measured fixed split's run, the MWRA run, every run of the repeat."""
+
+    static: object  # engine.pool.PoolResult
+    mwra: object
+    runs: list
+    static_split: dict[str, int]
 
 
 def static_splits(workers: int, pools: list[str]) -> list[dict[str, int]]:
@@ -100,7 +112,11 @@ def plot(result, path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mwra", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 s per run instead of 100 s")
-    parser.add_argument("--check-runner-up", action="store_true", help="also run the second-best fixed split")
+    parser.add_argument("--static-candidates", type=int, default=1, metavar="K",
+                        help="run the K fixed splits the cost model ranks best, and keep the best measured")
+    parser.add_argument("--check-runner-up", action="store_true", help="same as --static-candidates 2")
+    parser.add_argument("--repeats", type=int, default=1, help="run the static/MWRA pair this many times; "
+                        "the ratio pools all of them, and each pair's ratio is printed too")
     parser.add_argument("--plot", default="benchmarks/figures/mwra_pool_allocations.png")
     args = parser.parse_args(argv)
 
@@ -117,29 +133,38 @@ def main(argv: list[str] | None = None) -> int:
     G = cfg.train.group_size
     pools = sorted(f"{r}:{m.name}" for r in ("generator", "learner") for m in cfg.models)
     ranked = sorted(static_splits(base.workers, pools), key=lambda s: -predicted_rate(s, base, G, duration))
-    for s in ranked[:3]:
+    for s in ranked[:max(3, args.static_candidates)]:
         print(f"fixed split {s}: predicted {predicted_rate(s, base, G, duration):.3f} prompts/s", flush=True)
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-mwra-"))
     preps = prepare_models(cfg, workdir)
     checkpoints = [p.checkpoint for p in preps]
-    runs = [("static", msgspec.structs.replace(base, mode="static", static_split=ranked[0]))]
-    if args.check_runner_up:
-        runs.append(("static-2nd", msgspec.structs.replace(base, mode="static", static_split=ranked[1])))
+    k = max(args.static_candidates, 2 if args.check_runner_up else 1)
+    runs = [(f"static-{i + 1}" if k > 1 else "static", msgspec.structs.replace(base, mode="static", static_split=split))
+            for i, split in enumerate(ranked[:k])]
     runs.append(("mwra", msgspec.structs.replace(base, mode="mwra")))
-    results = {label: run_one(cfg, pool, checkpoints, label, workdir) for label, pool in runs}
+    split_of = {label: dict(pool.static_split) for label, pool in runs if label.startswith("static")}
+    pairs = []
+    for rep in range(max(1, args.repeats)):
+        suffix = f"-run{rep + 1}" if args.repeats > 1 else ""
+        results = {label: run_one(cfg, pool, checkpoints, label + suffix, workdir)[0] for label, pool in runs}
+        best = max((label for label in results if label.startswith("static")),
+                   key=lambda label: results[label].useful_samples_per_s)
+        pairs.append(Pair(results[best], results["mwra"], list(results.values()), split_of[best]))
 
-    static_best = max((r for label, (r, _) in results.items() if label.startswith("static")),
-                      key=lambda r: r.useful_samples_per_s)
-    mwra, mwra_dir = results["mwra"]
+    static_rate = sum(p.static.useful_samples_per_s for p in pairs) / len(pairs)
+    mwra_rate = sum(p.mwra.useful_samples_per_s for p in pairs) / len(pairs)
+    mwra = pairs[-1].mwra
     plot(mwra, Path(args.plot), f"MWRA on {base.workers} pool workers (costs swap at {half:g}s)")
-    lost = sum(r.audit.lost + r.audit.duplicates for r, _ in results.values())
-    digests_equal = all(len(set(f["digests"].values())) == 1 for r, _ in results.values() for f in r.formations)
+    every = [r for p in pairs for r in p.runs]
+    lost = sum(r.audit.lost + r.audit.duplicates for r in every)
+    digests_equal = all(len(set(f["digests"].values())) == 1 for r in every for f in r.formations)
     out = {
-        "static_samples_per_s": round(static_best.useful_samples_per_s, 3),
-        "mwra_samples_per_s": round(mwra.useful_samples_per_s, 3),
-        "ratio": round(mwra.useful_samples_per_s / static_best.useful_samples_per_s, 3),
-        "static_split": ranked[0],
+        "static_samples_per_s": round(static_rate, 3),
+        "mwra_samples_per_s": round(mwra_rate, 3),
+        "ratio": round(mwra_rate / static_rate, 3),
+        "ratios": [round(p.mwra.useful_samples_per_s / p.static.useful_samples_per_s, 3) for p in pairs],
+        "static_split": [p.static_split for p in pairs],  # the best measured fixed split of each repeat
         "duration_s": duration,
         "workers": base.workers,
         "mwra_moves": mwra.decisions,

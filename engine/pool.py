@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import shutil
 import sys
 import tempfile
@@ -105,8 +106,7 @@ class PoolRun:
             await self._start(sock_dir)
             tasks = [asyncio.create_task(c) for c in (self._listen_plane(), self._listen_stats(), self._watch())]
             try:
-                await self._begin()
-                await self._drive()
+                await self._unless_a_worker_dies(self._begin_and_drive(), tasks[-1])
                 ended = time.time()
                 self.useful_in_budget = set.intersection(*self.trained.values())  # steps after the budget do not count
                 await self._halt()
@@ -117,6 +117,20 @@ class PoolRun:
             await self._shutdown()
             shutil.rmtree(sock_dir, ignore_errors=True)
         return self._result(ended - self.t_start)
+
+    async def _begin_and_drive(self) -> None:
+        await self._begin()
+        await self._drive()
+
+    @staticmethod
+    async def _unless_a_worker_dies(coro, watch: asyncio.Task) -> None:
+        """Run ``coro``; if the watch ends first (a worker died), stop it and raise the watch's PoolFailed."""
+        work = asyncio.create_task(coro)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            watch.result()
+        work.result()
 
     async def _start(self, sock_dir: Path) -> None:
         hub = await start_hub(self.run_dir, sock_dir, ["stats"], "pool")
@@ -131,6 +145,8 @@ class PoolRun:
                                   warm_checkpoints=self.warm)
             self.actors.append(actors.spawn(wid, "engine.poolworker:run", msgspec.msgpack.encode(plan),
                                             self.cfg.train.threads_per_process))
+        pids = {a.name: a.process.pid for a in self.actors}  # which process is which (operators, tests)
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=1) + "\n")
 
     async def _begin(self) -> None:
         deadline = time.time() + 120

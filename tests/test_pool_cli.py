@@ -39,3 +39,31 @@ def test_a_short_pool_run_reports_held_out_accuracy(tmp_path):
     for model in ("gpt2", "llama"):
         assert (run_dir / "checkpoints" / model / "config.json").exists()
     assert (run_dir / "pool_result.json").exists() and (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_dead_worker_fails_the_pool_run_with_one_clear_error(tmp_path):
+    import json
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "pool", "--set", "pool.workers=4",
+                             "--set", "pool.duration_s=120", "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and '"event": "step"' not in (metrics.read_text() if metrics.exists() else ""):
+        time.sleep(0.5)
+    children = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+    os.kill(json.loads((run_dir / "pids.json").read_text())["w0"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out + err)[-3000:]
+    assert "error: w0 exited with code -9 while the run was going" in err and "Traceback" not in err
+    assert (run_dir / "FAILED").exists()
+    time.sleep(1.0)
+    assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
