@@ -3,10 +3,16 @@
 ``pack`` right-pads prompt+completion sequences and remembers where each
 completion sits, so ``completion_logprobs`` can return log-probs aligned to
 completion tokens: row i, column j is completion token j of sequence i.
+
+Devices: ``pack`` and ``build_batch`` build on CPU; ``completion_logprobs`` runs the
+forward on the model's device (it moves the packed tensors there), and ``batch_to``
+moves a whole ObjectiveBatch to the model's device before the objective reads it.
+On CPU both moves hand back the very same tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +29,10 @@ class Packed:
     target_mask: torch.Tensor  # (N, L) bool: completion positions
     gather_index: torch.Tensor  # (N, T) long: position of completion token j in row i (clamped)
     comp_mask: torch.Tensor  # (N, T) float: 1 where completion token j exists
+
+    def to(self, device: torch.device | str) -> Packed:
+        """The same packing on ``device`` (tensors already there are reused, not copied)."""
+        return Packed(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
 def pack(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int) -> Packed:
@@ -57,8 +67,24 @@ def completion_logprobs(model, packed: Packed) -> torch.Tensor:
     """(N, T) log-probs of completion tokens under ``model`` (differentiable); 0 on padding."""
     if packed.input_ids.shape[0] == 0:
         return torch.zeros(0, packed.comp_mask.shape[1])
+    packed = packed.to(model_device(model))  # the forward runs where the weights are
     full = token_logprobs(model, packed.input_ids, packed.attention_mask, packed.target_mask)  # (N, L)
     return full.gather(1, packed.gather_index) * packed.comp_mask
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s weights live (its first parameter's device)."""
+    return next(model.parameters()).device
+
+
+def batch_to(batch: ObjectiveBatch, device: torch.device | str) -> ObjectiveBatch:
+    """``batch`` with every tensor field on ``device``; None and int fields as they are.
+
+    ``Tensor.to`` is differentiable and returns the tensor itself when it is already on
+    ``device``, so log-probs keep their graph and a CPU batch moved to CPU is unchanged.
+    """
+    values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(batch, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 def pad_rows(rows: list[np.ndarray], width: int, fill: float, dtype) -> torch.Tensor:

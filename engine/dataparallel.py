@@ -1,6 +1,6 @@
 """A model's learner group in pool mode: data-parallel ranks that can grow and shrink.
 
-One torch.distributed group (gloo on CPU) per formation (``GroupSpec``). Rank 0 is
+One torch.distributed group (gloo) per formation (``GroupSpec``). Rank 0 is
 the leader: it alone ingests experience, picks each step's prompts and broadcasts
 the step's samples; every rank trains on its share of the prompts, gradients are
 summed with all-reduce, and every rank applies the same optimizer step, so all
@@ -15,6 +15,13 @@ Protocol inside a formation (why nobody hangs):
   and step counts, the learner's version (its step count) and its sampling RNG.
   A new rank therefore continues exactly where the group was; ``state_digest``
   lets a test check that bit for bit.
+
+Devices: the group is gloo whatever ``pool.device`` says. Weights, gradients and
+optimizer state may live on a GPU; every collective over them is staged through one
+flat CPU tensor (``_on_host``, ``_pieces``). gloo does accept CUDA tensors for
+broadcast and all_reduce, but only this staged path runs on the CPU box where the
+tests live: correct first; NCCL on the device tensors would be the fast path. Headers,
+the step payload and the RNG state are CPU tensors from the start.
 """
 
 from __future__ import annotations
@@ -75,15 +82,21 @@ def broadcast_bytes(data: bytes | None, nbytes: int) -> bytes:
 
 
 def _opt_tensors(state: TrainState) -> list[torch.Tensor]:
-    """AdamW moments and step counters in parameter order (created as zeros where missing)."""
+    """AdamW moments and step counters in parameter order (created as zeros where missing).
+
+    ``step`` goes where torch.optim.AdamW would create it: on the parameter's device for a
+    fused (or capturable) optimizer, whose kernel reads it there, else on the CPU.
+    """
     out = []
-    for p in state.params:
-        s = state.optimizer.state[p]
-        if not s:
-            s["step"] = torch.zeros((), dtype=torch.float32)
-            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        out += [s["step"].reshape(1), s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)]
+    for group in state.optimizer.param_groups:
+        on_param = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            s = state.optimizer.state[p]
+            if not s:
+                s["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out += [s["step"].reshape(1), s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)]
     return out
 
 
@@ -105,26 +118,43 @@ def sync_state(state: TrainState, rank: int) -> None:
             state.optimizer.state.clear()
 
 
+def _on_host(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One fresh flat CPU tensor holding ``tensors`` in order, wherever each of them lives.
+
+    Each piece comes to the host on its own: a non-fused AdamW on a GPU keeps its step
+    counters on the CPU and its moments on the GPU, and one ``cat`` cannot mix devices.
+    """
+    return torch.cat([t.reshape(-1).cpu() for t in tensors])
+
+
+def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut back into views shaped as ``like`` (still on ``flat``'s device)."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
 def _broadcast_flat(tensors: list[torch.Tensor]) -> None:
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = _on_host(tensors)
     dist.broadcast(flat, src=0)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    for t, piece in zip(tensors, _pieces(flat, tensors)):
+        t.copy_(piece)  # host -> t's device
 
 
 def allreduce_grads(params: list[torch.Tensor]) -> None:
     """Sum gradients over the group (a rank whose share had no sample contributes zeros)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = _on_host(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+    for p, piece in zip(params, _pieces(flat, params)):
+        p.grad = piece.to(p.device, copy=True)  # owns its memory, on p's device
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as a CPU tensor holds them (the same on any device)."""
+    return t.detach().cpu().contiguous().numpy().tobytes()
 
 
 def state_digest(state: TrainState) -> str:
@@ -132,11 +162,11 @@ def state_digest(state: TrainState) -> str:
     h = hashlib.sha256()
     h.update(str(state.version).encode())
     for p in state.params:
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(_host_bytes(p))
         for key in ("step", "exp_avg", "exp_avg_sq"):
             value = state.optimizer.state.get(p, {}).get(key)
             if value is not None:
-                h.update(value.detach().contiguous().numpy().tobytes())
+                h.update(_host_bytes(value))
     h.update(state.rng.get_state().numpy().tobytes())
     return h.hexdigest()
 
@@ -144,7 +174,7 @@ def state_digest(state: TrainState) -> str:
 def params_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(_host_bytes(p))
     return h.hexdigest()
 
 

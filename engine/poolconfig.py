@@ -8,6 +8,10 @@ two CPU cores without their speeds depending on each other. Costs may change at 
 times of the run (``[[pool.phases]]``), which is how a run models response lengths
 that drift during RL.
 
+``pool.device`` says where a worker's modules live: "cpu" (the stand-in above) or
+"cuda", where worker i takes ``cuda:{i % torch.cuda.device_count()}``: on a GPU box a
+worker is a GPU (``worker_device``).
+
 The section is read from the same TOML file as the run config; ``load_pool_run``
 splits it off so the lead's ``RunConfig`` stays strict.
 """
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+import torch
 from msgspec import Meta
 
 from engine.config import RunConfig, validate
@@ -58,6 +63,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     controller_every_s: PosFloat = 1.0  # how often the coordinator calls the controller
     controller: dict[str, float] = {}  # ControllerConfig fields (decision_interval_s, cooldown_s, ...)
     script: list[ScriptedMove] = []  # forced moves on top of (or instead of) the controller
+    device: Literal["cpu", "cuda"] = "cpu"  # where workers' modules live; cuda: worker i on cuda:{i % device_count}
 
     def cost(self, kind: Literal["gen", "train"], model: str, t: float) -> float:
         """Worker-seconds per sample of ``model`` at ``t`` seconds into the run."""
@@ -66,6 +72,13 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             if phase.from_s <= t:
                 current = (phase.gen_s if kind == "gen" else phase.train_s).get(model, 0.0)
         return current
+
+
+def worker_device(pool: PoolConfig, index: int) -> torch.device:
+    """The device of worker ``index``: one GPU per worker (round robin when workers outnumber GPUs)."""
+    if pool.device == "cuda":
+        return torch.device("cuda", index % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def controller_config(cfg: RunConfig, pool: PoolConfig) -> ControllerConfig:
@@ -99,6 +112,8 @@ def check(cfg: RunConfig, pool: PoolConfig, origin: str) -> PoolConfig:
             raise ConfigError(f"{origin}: pool.script.{i}.model: {move.model!r} is not a model of the run")
     if 2 * len(names) > pool.workers:
         raise ConfigError(f"{origin}: pool.workers: {len(names)} models need at least {2 * len(names)} workers")
+    if pool.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f'{origin}: pool.device: "cuda" needs a CUDA device and torch sees none; use "cpu"')
     controller_config(cfg, pool)  # validates pool.controller
     return pool
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from engine import dataparallel as dp
-from engine.batching import PeerSample, build_batch
+from engine.batching import PeerSample, batch_to, build_batch, model_device
 from engine.config import tokenizer_cache
 from engine.ingest import Ingest
 from engine.metrics import MetricsWriter
@@ -95,6 +95,8 @@ class LearnerCore:
         self.module.train()
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         optimizer = adamw(self.module.parameters(), lr=self.spec.lr or cfg.train.lr, betas=cfg.train.adam_betas)
+        # the objective's sampling RNG stays a CPU generator on any device: its state is what
+        # sync_state broadcasts and state_digest hashes, and objectives draw from it on its own device
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + worker.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
         self.peers = [n for n in worker.names if n != model]
@@ -188,6 +190,7 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     state.optimizer.zero_grad(set_to_none=True)
     if share:
         batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version)
+        batch = batch_to(batch, model_device(state.model))  # built on CPU; the loss runs where the weights are
         loss, stats = compute_loss(batch, objective, state.rng)
         (loss * len(share) / len(data.prompts)).backward()
     time.sleep(max(0.0, busy_until - time.time()))  # this rank's compute budget

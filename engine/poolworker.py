@@ -20,6 +20,12 @@ module go before the new ones are built, as a GPU would need. Only the module of
 same model survives a generator <-> learner switch. Each switch is one ``role_switch``
 line of metrics.jsonl with the bytes held before, after the release and after the
 new role took its memory.
+
+Devices: with ``pool.device = "cuda"`` worker i is GPU ``i % device_count``
+(``poolconfig.worker_device``). Every module the worker builds goes there, the
+generator backend samples there, and ``role_switch`` lines carry the CUDA allocator's
+figures (``device_bytes_*``). Weights cross processes as CPU tensors in files
+(``WeightStore``), and learner collectives stage through CPU (``engine.dataparallel``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from engine.dataparallel import params_digest
 from engine.generator import _generate
 from engine.metrics import MetricsWriter
 from engine.plan import WorkerPlan
-from engine.poolconfig import PoolConfig
+from engine.poolconfig import PoolConfig, worker_device
 from engine.poolplane import (BatchDone, GroupSpec, Halt, HandBack, Hello, Order, Regroup, WantWork, Work,
                               WorkerPlane)
 from engine.rolememory import RoleSwitch, device_bytes, held_bytes, release, still_alive
@@ -78,9 +84,10 @@ class WeightStore:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Write ``model``'s parameters as version ``version``; the file holds CPU tensors whatever the device."""
         from safetensors.torch import save_file
 
-        tensors = {f"p{i:04d}": p.detach().contiguous() for i, p in enumerate(model.parameters())}
+        tensors = {f"p{i:04d}": p.detach().contiguous().cpu() for i, p in enumerate(model.parameters())}
         tmp = self.dir / f".{version:08d}.tmp"
         save_file(tensors, str(tmp))
         os.replace(tmp, self.dir / f"{version:08d}.safetensors")
@@ -92,6 +99,7 @@ class WeightStore:
         return int(files[-1].stem) if files else 0
 
     def load(self, model: torch.nn.Module, version: int) -> bool:
+        """Copy version ``version`` into ``model``'s parameters in place, on whatever device they live."""
         from safetensors.torch import load_file
 
         try:
@@ -140,7 +148,10 @@ class Worker:
         self._policies: dict[str, list] = {}  # model -> [tokenizer, module, weight version held]; current role's only
         self.learners: dict[str, object] = {}  # model -> poollearner.LearnerCore, while this worker is its rank
         self.backend: HFBackend | None = None  # the generator role's inference engine
-        self.device = torch.device("cpu")  # where the modules live (device_bytes measures there)
+        self.device = worker_device(plan.pool, plan.index)  # where the modules live (device_bytes measures there)
+        if self.device.type == "cuda":
+            # the current device is per thread: to_thread's threads start on cuda:0, so tensors name theirs
+            torch.cuda.set_device(self.device)
         self._role: Role | None = None  # the role taken last (None before the first order)
         self._switch: RoleSwitch | None = None  # released, waiting for the new role to take its memory
 
@@ -191,8 +202,7 @@ class Worker:
                 self._tokenizers[model] = load_tokenizer(spec.tokenizer, tokenizer_cache(self.cfg))
             tok = self._tokenizers[model]
             module = build_policy(msgspec.structs.replace(spec, checkpoint=self.plan.warm_checkpoints[i]), tok)
-            self.device = next(module.parameters()).device
-            self._policies[model] = [tok, module, 0]
+            self._policies[model] = [tok, module.to(self.device), 0]
         return self._policies[model]
 
     # --- role switches: release the old role's memory, then take the new one's ---
@@ -292,7 +302,7 @@ class Worker:
         store = WeightStore(self.plan.run_dir, model)
         self.backend = backend = HFBackend(module, eos_token_id=tok.eos_token_id,
                                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
-                                           else tok.eos_token_id)
+                                           else tok.eos_token_id, device=self.device)
         await _load_newest(store, entry)  # a module rebuilt from the warm start never generates as version 0
         self.acquired()
         plan = WorkerPlan(run_id=self.plan.run_id, run_dir=self.plan.run_dir, config=self.cfg,
