@@ -1,6 +1,6 @@
 """MWRA on real processes: the best fixed split vs. MWRA, same wall-clock budget.
 
-    python -m benchmarks.mwra [--quick] [--repeats N] [--check-runner-up] [--plot PATH]
+    python -m benchmarks.mwra [--quick] [--repeats N] [--static-candidates K] [--plot PATH]
 
 What a worker is: one process standing in for one GPU. Its compute budget is a cost
 model (``engine/poolconfig.py``): generating one sample of model m costs ``gen_s[m]``
@@ -15,9 +15,10 @@ show): no fixed split is right for the whole run.
 
 Best fixed split: every split of the workers over the four pools (generator/learner x
 model, at least one each) is scored with the cost model (the slowest pool's prompt
-rate, averaged over the two phases); the best one is run for real (``--static-candidates K``
-runs the K best-ranked ones and keeps the best *measured*: several splits tie in the cost
-model). ``--repeats N`` runs the whole comparison N times; the ratio pools them. MWRA starts from an even
+rate, averaged over the two phases); every split tied with the best prediction (four here)
+is run for real, and the best *measured* one is the baseline (``--static-candidates K``
+runs the K best-ranked instead). ``--repeats N`` runs the whole comparison N times; the
+ratio pools them. MWRA starts from an even
 split and is driven by the live Stats. Both count only samples of prompts that every
 model generated AND trained on. The run also checks, against the broker's experience
 log, that no experience was lost or duplicated across reassignments.
@@ -112,9 +113,9 @@ def plot(result, path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mwra", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 s per run instead of 100 s")
-    parser.add_argument("--static-candidates", type=int, default=1, metavar="K",
-                        help="run the K fixed splits the cost model ranks best, and keep the best measured")
-    parser.add_argument("--check-runner-up", action="store_true", help="same as --static-candidates 2")
+    parser.add_argument("--static-candidates", type=int, default=0, metavar="K",
+                        help="run the K fixed splits the cost model ranks best and keep the best measured "
+                        "(default: every split tied with the best prediction)")
     parser.add_argument("--repeats", type=int, default=1, help="run the static/MWRA pair this many times; "
                         "the ratio pools all of them, and each pair's ratio is printed too")
     parser.add_argument("--plot", default="benchmarks/figures/mwra_pool_allocations.png")
@@ -133,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     G = cfg.train.group_size
     pools = sorted(f"{r}:{m.name}" for r in ("generator", "learner") for m in cfg.models)
     ranked = sorted(static_splits(base.workers, pools), key=lambda s: -predicted_rate(s, base, G, duration))
-    for s in ranked[:max(3, args.static_candidates)]:
+    for s in ranked[:max(4, args.static_candidates)]:
         print(f"fixed split {s}: predicted {predicted_rate(s, base, G, duration):.3f} prompts/s", flush=True)
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-mwra-"))
     preps = prepare_models(cfg, workdir)
     checkpoints = [p.checkpoint for p in preps]
-    k = max(args.static_candidates, 2 if args.check_runner_up else 1)
+    top = predicted_rate(ranked[0], base, G, duration)
+    tied = sum(predicted_rate(s, base, G, duration) >= 0.99 * top for s in ranked)
+    k = args.static_candidates or tied
     runs = [(f"static-{i + 1}" if k > 1 else "static", msgspec.structs.replace(base, mode="static", static_split=split))
             for i, split in enumerate(ranked[:k])]
     runs.append(("mwra", msgspec.structs.replace(base, mode="mwra")))

@@ -8,7 +8,7 @@
 Every prompt batch k holds the same global prompt ids for every model. A generator asks
 for work (``WantWork``); a batch is issued to model m only while m is at most
 ``max_inflight_batches`` ahead of its own learner and ``max_model_lead_batches`` ahead of
-the slowest model's learner (a fast model cannot run away from its peers). Batches that
+the slowest peer's learner (a fast model cannot run away from its peers). Batches that
 a leaving generator hands back go to the front of the queue.
 
 The controller (``engine.controller.decide``) reads the workers' Stats; its moves become
@@ -264,16 +264,21 @@ class PoolRun:
         return self._problems[batch_id]
 
     def _may_issue(self, m: str) -> bool:
-        """Within the model's lead over its own learner and over the slowest *live* peer's learner.
+        """Within the model's lead over its own learner, and over the slowest live *peer's* learner.
 
-        A peer whose learner has not stepped for ``peer_dead_after_s`` is presumed dead (its
-        learners train solo then, see engine.poollearner.PeerWatch), so it holds nobody back.
+        The second limit keeps a fast model from running away from its peers; it is not
+        applied against the model itself (as the slowest, it would cap its own pipeline at
+        ``max_model_lead_batches`` instead of ``max_inflight_batches`` and idle its generators
+        while its learner catches up). A peer whose learner has not stepped for
+        ``peer_dead_after_s`` is presumed dead (its peers train solo then, see
+        engine.poollearner.PeerWatch), so it holds nobody back.
         """
+        if self.issued[m] - self.steps[m] >= self.pool.max_inflight_batches:
+            return False
         now = time.time()
-        live = [n for n in self.names if n == m or now - self.stepped_at[n] <= self.pool.peer_dead_after_s]
-        slowest = min(self.steps[n] for n in live)
-        return (self.issued[m] - self.steps[m] < self.pool.max_inflight_batches
-                and self.issued[m] - slowest < self.pool.max_model_lead_batches)
+        peers = [self.steps[n] for n in self.names
+                 if n != m and now - self.stepped_at[n] <= self.pool.peer_dead_after_s]
+        return not peers or self.issued[m] - min(peers) < self.pool.max_model_lead_batches
 
     def _dispatch(self, m: str) -> None:
         while self.open.is_set() and self.pending[m] and (self.ready[m] or self._may_issue(m)):

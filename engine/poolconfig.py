@@ -56,7 +56,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     static_split: dict[str, int] = {}  # "generator:<model>" / "learner:<model>" -> workers (static mode)
     phases: list[CostPhase] = msgspec.field(default_factory=lambda: [CostPhase()])  # cost model over time; a model missing from a phase costs 0
     max_inflight_batches: Annotated[int, Meta(ge=1)] = 6  # batches a model may be issued ahead of its learner
-    max_model_lead_batches: Annotated[int, Meta(ge=1)] = 4  # ... and ahead of the slowest model's learner
+    max_model_lead_batches: Annotated[int, Meta(ge=1)] = 4  # ... and ahead of the slowest peer's learner
     tick_s: PosFloat = 1.0  # a waiting learner leader pings its ranks this often (keeps gloo within its time-out)
     group_timeout_s: PosFloat = 120.0  # forming a learner group or a collective that takes longer fails loudly
     peer_dead_after_s: PosFloat = 60.0  # a peer silent this long is declared dead: train solo, say so

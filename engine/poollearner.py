@@ -138,14 +138,27 @@ class LearnerCore:
             self.metrics.close()
 
     # --- every rank ---
-    def train_step(self, data: dp.StepData, own, peers, rank: int, world: int) -> dict:
-        """This rank's share of the step (padded to its compute budget), all-reduce, optimizer step."""
-        started = time.time()
+    def train_step(self, data: dp.StepData, own, peers, rank: int, world: int, started: float) -> dict:
+        """This rank's share of the step, all-reduce, optimizer step; ``busy_until`` ends its compute budget.
+
+        ``started`` is when the step began for this rank (the leader: prompts taken; a
+        follower: header received). The caller pads the *whole* step (payload broadcast,
+        weights published, digests taken) up to ``busy_until`` with ``pad_to_budget``: a
+        stand-in GPU is busy for max(real work, budget), none of its per-step bookkeeping
+        outside the budget.
+        """
         own_r = [s for s in own if s.prompt_id in set(data.prompts[rank::world])]
         budget = self.worker.cost_s("train", self.model_name, started, len(own_r))
         self._set_lr()
-        return train_share(self.state, data, own, peers, rank, world, self.cfg.objective, self.pad_id,
-                           self.cfg.train.grad_clip, started + budget, self._peers_for_objective)
+        result = train_share(self.state, data, own, peers, rank, world, self.cfg.objective, self.pad_id,
+                             self.cfg.train.grad_clip, 0.0, self._peers_for_objective)
+        return {**result, "started": started, "busy_until": started + budget}
+
+    @staticmethod
+    async def pad_to_budget(result: dict) -> None:
+        """Sleep out the rest of the step's budget; ``busy_s`` becomes the step's whole occupation."""
+        await asyncio.sleep(max(0.0, result.pop("busy_until") - time.time()))
+        result["busy_s"] = time.time() - result.pop("started")
 
     def _peers_for_objective(self, own, peers: list[PeerSample]) -> list[PeerSample]:
         kind = self.cfg.objective.kind
@@ -285,11 +298,12 @@ async def _lead(core: LearnerCore, group: GroupSpec) -> tuple[int, int]:
         idle = time.time() - waited_from
         own, peers, misses = core.ingest.take(prompts, alive)  # misses: live peers' incomplete groups
         solo = bool(core.peers) and not alive
+        step_started = time.time()
         raw = dp.encode_step(prompts, own, peers, {}, misses, solo)
         await asyncio.to_thread(dp.send_header, dp.STEP, group.epoch, len(raw))
         await asyncio.to_thread(dp.broadcast_bytes, raw, len(raw))
         data, own_d, peers_d = dp.decode_step(raw)
-        result = await asyncio.to_thread(core.train_step, data, own_d, peers_d, 0, len(group.members))
+        result = await asyncio.to_thread(core.train_step, data, own_d, peers_d, 0, len(group.members), step_started)
         await _after_step(core, group, prompts, own, peers, misses, solo, idle, peer_wait, result)
 
 
@@ -297,6 +311,8 @@ async def _after_step(core: LearnerCore, group: GroupSpec, prompts, own, peers, 
                       idle: float, peer_wait: float, result: dict) -> None:
     worker, version = core.worker, core.state.version
     await asyncio.to_thread(core.store.publish, core.module, version)
+    digest = dp.params_digest(core.module)
+    await core.pad_to_budget(result)  # the step's outputs are announced when its budget is spent
     await worker.pub.send(WeightsReady(schema=SCHEMA_VERSION, model=core.model_name, version=version, step=version,
                                        nbytes=0, time=time.time()))
     core.totals["own_experiences"] += len(own)
@@ -307,7 +323,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, prompts, own, peers, 
     core.metrics.write(
         event="step", step=version, weight_version=version, reward_mean=sum(rewards) / max(len(rewards), 1),
         staleness_mean=staleness, world=len(group.members), epoch=group.epoch, solo=solo,
-        params_digest=dp.params_digest(core.module),
+        params_digest=digest,
         dead_peers=sorted(core.watch.dead), thl_residual_mean=(sum(p.residual for p in peers) / len(peers))
         if peers else None, idle_s=round(idle, 4), peer_wait_s=round(peer_wait, 4), **core.totals,
         **{k: v for k, v in result.items() if k != "share_samples"})
@@ -319,13 +335,15 @@ async def _after_step(core: LearnerCore, group: GroupSpec, prompts, own, peers, 
 async def _follow(core: LearnerCore, group: GroupSpec, rank: int, world: int) -> tuple[int, int]:
     while True:
         command, epoch, nbytes = await asyncio.to_thread(dp.recv_header)
+        step_started = time.time()
         if command == dp.TICK:
             continue
         if command in (dp.STOP, dp.REGROUP):
             return command, epoch
         raw = await asyncio.to_thread(dp.broadcast_bytes, None, nbytes)
         data, own, peers = dp.decode_step(raw)
-        result = await asyncio.to_thread(core.train_step, data, own, peers, rank, world)
+        result = await asyncio.to_thread(core.train_step, data, own, peers, rank, world, step_started)
+        await core.pad_to_budget(result)
         await core.send_stats(result["share_samples"], result["busy_s"], 0.0)
 
 

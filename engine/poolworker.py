@@ -323,8 +323,8 @@ class Worker:
                     idle += time.time() - t
                     continue
                 batch, asked = self.inbox.work.popleft(), False
+                started = time.time()  # the batch's budget covers loading the newest weights too
                 await _load_newest(store, entry)
-                started = time.time()
                 exps = await asyncio.to_thread(_generate, plan, backend, tok, self.task, batch, entry[2], started)
                 await asyncio.sleep(max(0.0, started + self.cost_s("gen", model, started, len(exps)) - time.time()))
                 for exp in exps:
