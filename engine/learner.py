@@ -215,9 +215,16 @@ class Learner:
             group["lr"] = base * scale
 
     async def _after_step(self, record: dict) -> None:
-        self.sender.publish(self.version)
-        await self.pub.send(WeightsReady(schema=SCHEMA_VERSION, model=self.spec.name, version=self.version,
-                                         step=self.version, nbytes=self.sender.nbytes, time=time.time()))
+        try:
+            self.sender.publish(self.version)
+        except weightsync.WeightSyncError as exc:
+            # A generator is gone (the supervisor takes this model out of the run): keep what was learned.
+            print(f"[{self.spec.name}] {exc}: stopping; the checkpoint and final evaluation follow",
+                  file=sys.stderr, flush=True)
+            self.stop_requested = True
+        else:
+            await self.pub.send(WeightsReady(schema=SCHEMA_VERSION, model=self.spec.name, version=self.version,
+                                             step=self.version, nbytes=self.sender.nbytes, time=time.time()))
         ev = self.cfg.eval
         if ev.every_steps and self.version % ev.every_steps == 0 and self.version < self.cfg.train.steps:
             result = await asyncio.to_thread(self._evaluate, ev.live_problems)
