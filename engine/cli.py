@@ -7,11 +7,16 @@ import argparse
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="train the models of a config together (the default command)")
-    run.add_argument("--config", default="configs/default.toml", help="TOML run config (default: %(default)s)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set train.steps=50 (repeatable)")
-    run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    add_run_arguments(run, "configs/default.toml", "TOML run config", "train.steps=50")
     run.set_defaults(handler=_run)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, config: str, what: str, example: str) -> None:
+    """--config, --set and --run-dir: what every training subcommand takes."""
+    parser.add_argument("--config", default=config, help=f"{what} (default: %(default)s)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+    parser.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""What the supervisor hands each worker process: one typed plan, msgpack-encoded."""
+"""What a coordinator hands out: each worker process's typed plan, and each prompt batch's problems."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from engine.config import ModelConfig, RunConfig
+from exchange.protocol import Problem
 
 
 class WorkerPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -36,3 +37,18 @@ class WorkerPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     @staticmethod
     def decode(raw: bytes) -> "WorkerPlan":
         return msgspec.msgpack.decode(raw, type=WorkerPlan)
+
+
+class PromptBook:
+    """Batch k's problems: the same global prompt ids for every model, so cross-model groups line up."""
+
+    def __init__(self, task, prompts_per_step: int):
+        self.task, self.Q = task, prompts_per_step
+        self._batches: dict[int, list[Problem]] = {}
+
+    def batch(self, batch_id: int) -> list[Problem]:
+        if batch_id not in self._batches:
+            ids = range(batch_id * self.Q, (batch_id + 1) * self.Q)
+            self._batches[batch_id] = [Problem(p.prompt_id, p.task, p.question, p.answer)
+                                       for p in map(self.task.problem, ids)]
+        return self._batches[batch_id]

@@ -36,13 +36,14 @@ from engine import actors
 from engine.controller import ControllerState, decide, initial_assignment, view_from_stats
 from engine.hub import start_hub
 from engine.metrics import MetricsWriter
+from engine.plan import PromptBook
 from engine.poolaudit import Audit, audit_log
 from engine.poolconfig import PoolConfig, controller_config
 from engine.poolplane import (BatchDone, CoordinatorPlane, GroupFormed, GroupSpec, Halt, HandBack, Hello,
                               LearnerFinal, Order, Regroup, StepDone, WantWork, Work)
 from engine.poolworker import PoolWorkerPlan
 from engine.runfiles import free_port
-from exchange.protocol import SCHEMA_VERSION, Assign, Problem, PromptBatch, Stats
+from exchange.protocol import SCHEMA_VERSION, Assign, PromptBatch, Stats
 from tasks.registry import make_task
 
 
@@ -71,7 +72,6 @@ class PoolRun:
         self.warm = warm_checkpoints
         self.names = [m.name for m in cfg.models]
         self.ccfg = controller_config(cfg, pool)
-        self.task = make_task(cfg.task)
         self.ids = [f"w{i}" for i in range(pool.workers)]
         self.hello: set[str] = set()
         self.assignment: dict[str, tuple[str, str]] = {}
@@ -94,7 +94,7 @@ class PoolRun:
         self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
         self.changed = asyncio.Event()
         self.actors: list[actors.Actor] = []
-        self._problems: dict[int, list[Problem]] = {}
+        self.prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -256,13 +256,6 @@ class PoolRun:
             await self.pub.send(assign)
 
     # --- prompt dispatch ---
-    def _problems_for(self, batch_id: int) -> list[Problem]:
-        if batch_id not in self._problems:
-            Q = self.cfg.train.prompts_per_step
-            ps = [self.task.problem(pid) for pid in range(batch_id * Q, (batch_id + 1) * Q)]
-            self._problems[batch_id] = [Problem(p.prompt_id, p.task, p.question, p.answer) for p in ps]
-        return self._problems[batch_id]
-
     def _may_issue(self, m: str) -> bool:
         """Within the model's lead over its own learner, and over the slowest live *peer's* learner.
 
@@ -288,7 +281,7 @@ class PoolRun:
                 k = self.issued[m]
                 self.issued[m] += 1
                 batch = PromptBatch(schema=SCHEMA_VERSION, run_id=self.run_dir.name, batch_id=k, model=m,
-                                    group_size=self.cfg.train.group_size, problems=self._problems_for(k))
+                                    group_size=self.cfg.train.group_size, problems=self.prompts.batch(k))
             asyncio.create_task(self.plane.send(self.pending[m].popleft(), Work(batch)))
 
     async def _listen_plane(self) -> None:

@@ -6,13 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.cli import add_run_arguments
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     pool = sub.add_parser("pool", help="train on a pool of workers that MWRA reassigns live (see engine/MWRA.md)")
-    pool.add_argument("--config", default="configs/pool.toml", help="TOML run config with a [pool] section")
-    pool.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config value, e.g. --set pool.mode=static (repeatable)")
-    pool.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    add_run_arguments(pool, "configs/pool.toml", "TOML run config with a [pool] section", "pool.mode=static")
     pool.set_defaults(handler=main)
 
 

@@ -34,10 +34,10 @@ from engine.configload import ConfigError
 from engine.display import LiveDisplay, print_summary
 from engine.hub import start_hub
 from engine.metrics import MetricsTail
-from engine.plan import WorkerPlan
+from engine.plan import PromptBook, WorkerPlan
 from engine.prep import PrepPlan, PrepResult
 from engine.runfiles import free_port, make_run_dir, write_resolved_config
-from exchange.protocol import SCHEMA_VERSION, Control, Problem, PromptBatch, Stats, WeightsReady
+from exchange.protocol import SCHEMA_VERSION, Control, PromptBatch, Stats, WeightsReady
 from tasks.registry import make_task
 
 
@@ -125,7 +125,6 @@ class Supervisor:
     def __init__(self, cfg: RunConfig, run_dir: Path, preps: list[PrepResult]):
         self.cfg, self.run_dir, self.preps = cfg, run_dir, preps
         self.run_id = run_dir.name
-        self.task = make_task(cfg.task)
         self.names = [m.name for m in cfg.models]
         self.issued = {n: 0 for n in self.names}
         self.version = {n: 0 for n in self.names}
@@ -140,7 +139,7 @@ class Supervisor:
         self.model_of: dict[str, str] = {}  # actor name -> model (the broker has none)
         self.actors: list[actors.Actor] = []
         self.groups: list[str] = []  # weight-sync group endpoints (their shm slots are removed at the end)
-        self._problems: dict[int, list[Problem]] = {}
+        self.prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
 
     async def run(self) -> int:
         sock_dir = Path(tempfile.mkdtemp(prefix="mrl-"))
@@ -258,14 +257,6 @@ class Supervisor:
                 self.version[msg.model] = max(self.version[msg.model], msg.version)
                 self.changed.set()
 
-    def _problems_for(self, batch_id: int) -> list[Problem]:
-        """Batch k holds the same global prompt ids for every model, so groups line up."""
-        if batch_id not in self._problems:
-            Q = self.cfg.train.prompts_per_step
-            ps = [self.task.problem(pid) for pid in range(batch_id * Q, (batch_id + 1) * Q)]
-            self._problems[batch_id] = [Problem(p.prompt_id, p.task, p.question, p.answer) for p in ps]
-        return self._problems[batch_id]
-
     async def _schedule(self) -> None:
         train, sync = self.cfg.train, self.cfg.run.mode == "sync"
         ahead = 1 if sync else train.max_inflight_batches
@@ -278,7 +269,7 @@ class Supervisor:
                     k = self.issued[name]
                     await self.pub.send(PromptBatch(
                         schema=SCHEMA_VERSION, run_id=self.run_id, batch_id=k, model=name,
-                        group_size=train.group_size, problems=self._problems_for(k),
+                        group_size=train.group_size, problems=self.prompts.batch(k),
                         min_weight_version=k if sync else 0,
                     ))
                     self.issued[name] += 1
