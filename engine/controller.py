@@ -106,7 +106,7 @@ class PoolView(msgspec.Struct, kw_only=True):
 
     key: str  # "generator:<model>" or "learner:<model>"
     workers: list[str]  # assigned to this pool now (in transition or not)
-    reporting: int = 0  # workers whose Stats were usable
+    reporting: int = 0  # workers with usable Stats in this view
     done: float = 0.0  # samples generated (generator) or consumed (learner) in their windows
     busy_s: float = 0.0  # sum over reporting workers of window_s * (1 - idle_frac)
     window_s: float = 0.0
@@ -168,11 +168,14 @@ class Decision(msgspec.Struct, kw_only=True):
 
 def view_from_stats(stats: list[Stats], assignment: dict[str, tuple[str, str]], now: float,
                     config: ControllerConfig) -> ClusterView:
-    """Aggregate the latest Stats per worker into pools.
+    """Aggregate the Stats that arrived since the previous call into pools.
 
-    Stats from a worker whose reported (role, model) differs from its assignment are
-    ignored: it is still switching. So are Stats older than ``stale_stats_s`` and those
-    of workers not in ``assignment`` (brokers, departed workers).
+    Pass each Stats once: every window is new evidence, and a window counted again would
+    keep an old speed alive after the workload drifted (an idle generator sends nothing,
+    so its last report would otherwise speak for it long after its cost changed). Stats
+    from a worker whose reported (role, model) differs from its assignment are ignored:
+    it is still switching. So are Stats older than ``stale_stats_s`` and those of workers
+    not in ``assignment`` (brokers, departed workers).
     """
     pools = {pool_key(r, m.name): PoolView(key=pool_key(r, m.name), workers=[])
              for m in config.models for r in ("generator", "learner")}
@@ -180,27 +183,26 @@ def view_from_stats(stats: list[Stats], assignment: dict[str, tuple[str, str]], 
         key = pool_key(role, model)
         if key in pools:
             pools[key].workers.append(worker)
-    latest: dict[str, Stats] = {}
-    for s in stats:
-        if s.worker_id in assignment and (s.worker_id not in latest or s.time > latest[s.worker_id].time):
-            latest[s.worker_id] = s
-    for worker, s in latest.items():
+    reporters: dict[str, set[str]] = {k: set() for k in pools}
+    for s in sorted(stats, key=lambda s: s.time):
         key = pool_key(s.role, s.model)
-        if assignment[worker] != (s.role, s.model) or key not in pools or now - s.time > config.stale_stats_s:
+        if (s.worker_id not in assignment or assignment[s.worker_id] != (s.role, s.model) or key not in pools
+                or now - s.time > config.stale_stats_s):
             continue
         p = pools[key]
         idle = min(max(s.idle_frac, 0.0), 1.0)
         rate = s.samples_per_s if s.role == "generator" else s.consumed_per_s
-        p.reporting += 1
+        reporters[key].add(s.worker_id)
         p.done += rate * s.window_s
         p.busy_s += s.window_s * (1.0 - idle)
         p.window_s += s.window_s
         p.queue_depth = max(p.queue_depth, s.queue_depth)
         p.peer_wait_s += s.peer_wait_s
-        p.staleness_mean += s.staleness_mean
-    for p in pools.values():
-        if p.reporting:
-            p.staleness_mean /= p.reporting
+        p.staleness_mean += s.staleness_mean * s.window_s
+    for key, p in pools.items():
+        p.reporting = len(reporters[key])
+        if p.window_s > 0:
+            p.staleness_mean /= p.window_s
     return ClusterView(time=now, assignment=dict(assignment), pools=pools)
 
 

@@ -5,11 +5,12 @@
         workers w0..wN-1 ── engine.poolworker, one role each (generator / learner rank / idle)
         here: prompt dispatch (pull-based), controller loop, scripted moves, the end-of-run audit
 
-Every prompt batch k holds the same global prompt ids for every model. A generator asks
-for work (``WantWork``); a batch is issued to model m only while m is at most
+Every prompt batch k holds the same global prompt ids for every model, and is handed
+out in work units of ``prompts_per_work`` prompts. A generator asks for work
+(``WantWork``); a batch is issued to model m only while m is at most
 ``max_inflight_batches`` ahead of its own learner and ``max_model_lead_batches`` ahead of
-the slowest peer's learner (a fast model cannot run away from its peers). Batches that
-a leaving generator hands back go to the front of the queue.
+the slowest peer's learner (a fast model cannot run away from its peers). Units that a
+leaving generator hands back go to the front of the queue.
 
 The controller (``engine.controller.decide``) reads the workers' Stats; its moves become
 ``Assign`` messages (sent in ``Order``s over the pool plane, and published on the
@@ -82,10 +83,10 @@ class PoolRun:
         self.steps = {m: 0 for m in self.names}
         self.stepped_at = {m: time.time() for m in self.names}  # when each model's learner last stepped
         self.trained: dict[str, set[int]] = {m: set() for m in self.names}
-        self.done_batches: dict[str, list[int]] = {m: [] for m in self.names}
+        self.done_prompts: dict[str, list[int]] = {m: [] for m in self.names}  # generated, per BatchDone
         self.finals: dict[str, LearnerFinal] = {}
         self.formations: dict[tuple[str, int], dict] = {}
-        self.latest: dict[str, Stats] = {}
+        self.fresh: list[Stats] = []  # Stats since the controller's last call: each window counts once
         self.cstate = ControllerState()
         self.seq = 0
         self.decisions = self.regroups = self.handbacks = 0
@@ -196,7 +197,8 @@ class PoolRun:
                          + f"  useful prompts {len(set.intersection(*self.trained.values()))}")
 
     async def _decide(self, now: float) -> None:
-        view = view_from_stats(list(self.latest.values()), self.assignment, now, self.ccfg)
+        view = view_from_stats(self.fresh, self.assignment, now, self.ccfg)
+        self.fresh = []
         decision = decide(view, self.cstate, self.ccfg)
         self.cstate = decision.new_state
         if not decision.acted and decision.reasons != self._last_reasons:
@@ -275,14 +277,22 @@ class PoolRun:
 
     def _dispatch(self, m: str) -> None:
         while self.open.is_set() and self.pending[m] and (self.ready[m] or self._may_issue(m)):
-            if self.ready[m]:
-                batch = self.ready[m].popleft()
-            else:
-                k = self.issued[m]
+            if not self.ready[m]:
+                self.ready[m].extend(self._work_units(m, self.issued[m]))
                 self.issued[m] += 1
-                batch = PromptBatch(schema=SCHEMA_VERSION, run_id=self.run_dir.name, batch_id=k, model=m,
-                                    group_size=self.cfg.train.group_size, problems=self.prompts.batch(k))
-            asyncio.create_task(self.plane.send(self.pending[m].popleft(), Work(batch)))
+            asyncio.create_task(self.plane.send(self.pending[m].popleft(), Work(self.ready[m].popleft())))
+
+    def _work_units(self, m: str, k: int) -> list[PromptBatch]:
+        """Batch k of model m split into units of ``prompts_per_work`` prompts.
+
+        Small units spread one learner step over every generator of the pool (a step's
+        prompts finish together instead of one generator holding them all), and each
+        unit's Stats reach the controller a whole batch sooner after a cost change.
+        """
+        problems, n = self.prompts.batch(k), self.pool.prompts_per_work
+        return [PromptBatch(schema=SCHEMA_VERSION, run_id=self.run_dir.name, batch_id=k, model=m,
+                            group_size=self.cfg.train.group_size, problems=problems[i:i + n])
+                for i in range(0, len(problems), n)]
 
     async def _listen_plane(self) -> None:
         while True:
@@ -296,7 +306,7 @@ class PoolRun:
                 self.ready[msg.batch.model].appendleft(msg.batch)
                 self.handbacks += 1
             elif isinstance(msg, BatchDone):
-                self.done_batches[msg.model].append(msg.batch_id)
+                self.done_prompts[msg.model].extend(msg.prompt_ids)
                 if msg.params_digest:
                     self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
                                        weight_version=msg.weight_version, params_digest=msg.params_digest)
@@ -324,8 +334,8 @@ class PoolRun:
     async def _listen_stats(self) -> None:
         while True:
             msg = await self.sub.recv()
-            if isinstance(msg, Stats) and msg.worker_id in self.assignment:
-                self.latest[msg.worker_id] = msg
+            if isinstance(msg, Stats) and msg.worker_id in self.assignment and self.pool.mode == "mwra":
+                self.fresh.append(msg)  # static mode never reads them
 
     async def _watch(self) -> None:
         """A dead worker ends the run: its role's state is gone (a learner group would wait on it)."""
@@ -387,8 +397,8 @@ class PoolRun:
     def _result(self, duration: float) -> PoolResult:
         useful = self.useful_in_budget
         G = self.cfg.train.group_size
-        audit = audit_log(self.run_dir / "experience_log", self.names, G, self.cfg.train.prompts_per_step,
-                          self.trained, {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.done_batches)
+        audit = audit_log(self.run_dir / "experience_log", self.names, G, self.trained,
+                          {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.done_prompts)
         samples = len(useful) * G * len(self.names)
         result = PoolResult(mode=self.pool.mode, duration_s=round(duration, 2), useful_prompts=len(useful),
                             useful_samples=samples, useful_samples_per_s=samples / duration, steps=dict(self.steps),

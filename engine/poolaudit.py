@@ -3,8 +3,8 @@
 Checked against the broker's experience log (``exchange.log.ExperienceLogReader``),
 which records every Experience the broker accepted:
 
-- every batch a generator reported done has all of its G samples per prompt in the log;
-- no (model, prompt, sample) appears twice (a handed-back batch is generated once);
+- every work unit a generator reported done has all of its G samples per prompt in the log;
+- no (model, prompt, sample) appears twice (a handed-back unit is generated once);
 - every complete group in the log was either trained by its model's learner group or
   is reported by the leader as still queued when the run ended.
 """
@@ -22,7 +22,7 @@ from exchange.log import ExperienceLogReader
 class Audit(msgspec.Struct):
     logged: int  # experiences in the log
     duplicates: int
-    missing_from_log: int  # samples of batches reported done that the log does not hold
+    missing_from_log: int  # samples of units reported done that the log does not hold
     untrained_not_queued: int  # samples of complete logged groups neither trained nor queued at the end
     lost: int  # missing_from_log + untrained_not_queued
 
@@ -31,8 +31,8 @@ class Audit(msgspec.Struct):
         return self.lost == 0 and self.duplicates == 0
 
 
-def audit_log(log_dir: Path, models: list[str], G: int, Q: int, trained: dict[str, set[int]],
-              queued: dict[str, list[int]], done_batches: dict[str, list[int]]) -> Audit:
+def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[int]],
+              queued: dict[str, list[int]], done_prompts: dict[str, list[int]]) -> Audit:
     seen: collections.Counter = collections.Counter()
     for exp in ExperienceLogReader(log_dir):
         seen[(exp.model, exp.prompt_id, exp.sample_index)] += 1
@@ -41,8 +41,7 @@ def audit_log(log_dir: Path, models: list[str], G: int, Q: int, trained: dict[st
         per_group[(model, prompt)] += 1
     missing = 0
     for m in models:
-        for k in done_batches.get(m, []):
-            missing += sum(max(G - per_group[(m, p)], 0) for p in range(k * Q, (k + 1) * Q))
+        missing += sum(max(G - per_group[(m, p)], 0) for p in done_prompts.get(m, []))
     untrained = 0
     for (m, p), n in per_group.items():
         if n >= G and p not in trained.get(m, set()) and p not in set(queued.get(m, [])):

@@ -56,6 +56,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     static_split: dict[str, int] = {}  # "generator:<model>" / "learner:<model>" -> workers (static mode)
     phases: list[CostPhase] = msgspec.field(default_factory=lambda: [CostPhase()])  # cost model over time; a model missing from a phase costs 0
     max_inflight_batches: Annotated[int, Meta(ge=1)] = 6  # batches a model may be issued ahead of its learner
+    prompts_per_work: Annotated[int, Meta(ge=1)] = 1  # prompts a generator takes per request (a step's batch is split)
     max_model_lead_batches: Annotated[int, Meta(ge=1)] = 4  # ... and ahead of the slowest peer's learner
     tick_s: PosFloat = 1.0  # a waiting learner leader pings its ranks this often (keeps gloo within its time-out)
     group_timeout_s: PosFloat = 120.0  # forming a learner group or a collective that takes longer fails loudly
@@ -110,6 +111,9 @@ def check(cfg: RunConfig, pool: PoolConfig, origin: str) -> PoolConfig:
     for i, move in enumerate(pool.script):
         if move.role != "idle" and move.model not in names:
             raise ConfigError(f"{origin}: pool.script.{i}.model: {move.model!r} is not a model of the run")
+    if pool.prompts_per_work > cfg.train.prompts_per_step:
+        raise ConfigError(f"{origin}: pool.prompts_per_work: {pool.prompts_per_work} exceeds train.prompts_per_step "
+                          f"({cfg.train.prompts_per_step}); a work unit is part of one step's batch")
     if 2 * len(names) > pool.workers:
         raise ConfigError(f"{origin}: pool.workers: {len(names)} models need at least {2 * len(names)} workers")
     if pool.device == "cuda" and not torch.cuda.is_available():

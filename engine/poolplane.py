@@ -59,6 +59,7 @@ class BatchDone(_Msg, tag="bdone"):
     worker_id: str
     model: str
     batch_id: int
+    prompt_ids: list[int]  # the unit's prompts (a batch is split into work units)
     experiences: int
     weight_version: int
     params_digest: str = ""  # sha256 of the weights used, on a role's first batch (checks the hand-over)

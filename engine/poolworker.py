@@ -332,7 +332,8 @@ class Worker:
                 await self.pub.flush()
                 digest = "" if checked else params_digest(module)
                 checked = True
-                await self.plane.send(BatchDone(self.id, model, batch.batch_id, len(exps), entry[2], digest))
+                await self.plane.send(BatchDone(self.id, model, batch.batch_id, [p.prompt_id for p in batch.problems], len(exps),
+                                                     entry[2], digest))
                 window = time.time() - window_start
                 await self.pub.send(Stats(
                     schema=SCHEMA_VERSION, worker_id=self.id, role="generator", model=model, time=time.time(),

@@ -170,6 +170,29 @@ def test_view_ignores_switching_stale_and_unknown_workers():
     assert w0 in view.pools[pool_key(*a[w0])].workers
 
 
+def test_every_stats_window_counts_once():
+    """The view sums every window it is given (two from one worker count twice), and a call
+    with no new windows leaves the estimates alone: an idle worker's last report must not
+    keep speaking for its pool after the workload changed."""
+    cfg = config(decision_interval_s=1.0, ewma_halflife_s=4.0, min_busy_s=1.0)
+    a = split(BALANCED)
+    w = next(w for w, rm in a.items() if rm == (GEN, "a"))
+    mk = lambda t, rate: Stats(schema=SCHEMA_VERSION, worker_id=w, role=GEN, model="a", time=t, window_s=2.0,
+                               samples_per_s=rate, idle_frac=0.5)
+    view = view_from_stats([mk(99.0, 2.0), mk(100.0, 6.0)], a, 100.0, cfg)
+    p = view.pools[pool_key(GEN, "a")]
+    assert (p.reporting, p.done, p.busy_s, p.window_s) == (1, 16.0, 2.0, 4.0)
+
+    d = decide(view_from_stats(stats_for(a, CAP, 100.0), a, 100.0, cfg), ControllerState(), cfg)
+    before = d.prompts_per_s_worker[pool_key(GEN, "a")]
+    d2 = decide(view_from_stats([], a, 130.0, cfg), d.new_state, cfg)  # nobody finished anything since
+    assert d2.prompts_per_s_worker[pool_key(GEN, "a")] == before
+    # one worker now reports a 4x cost; the others are silent (idle): the estimate follows the new report
+    slow = [x for x in stats_for(a, {**CAP, (GEN, "a"): CAP[(GEN, "a")] / 4}, 140.0) if x.worker_id == w]
+    d3 = decide(view_from_stats(slow, a, 140.0, cfg), d2.new_state, cfg)
+    assert d3.prompts_per_s_worker[pool_key(GEN, "a")] == pytest.approx(before / 4, rel=0.02)
+
+
 def test_waits_for_an_estimate_of_every_pool():
     cfg = config()
     a = split(BALANCED)

@@ -25,6 +25,9 @@ def test_bad_pool_config_is_one_line_and_exit_2(tmp_path):
     out = launch("--set", "pool.static_split={'generator:gpt2' = 9}", "--set", "pool.mode=static",
                  "--run-dir", str(tmp_path / "run2"))
     assert out.returncode == 2 and "pool.static_split" in out.stderr and "Traceback" not in out.stderr
+    out = launch("--set", "pool.prompts_per_work=5", "--run-dir", str(tmp_path / "run3"))  # Q is 4
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "pool.prompts_per_work" in out.stderr and "train.prompts_per_step" in out.stderr
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ leaves that group to generate for the other model. Nothing may be lost and every
 
 from __future__ import annotations
 
+import collections
 import json
 
 import msgspec
@@ -10,6 +11,7 @@ import pytest
 
 from engine.poolcli import run_pool
 from engine.poolconfig import ScriptedMove, load_pool_run
+from exchange.log import ExperienceLogReader
 
 
 @pytest.mark.slow
@@ -30,6 +32,17 @@ def test_generator_and_learner_rank_reassigned_mid_run(tmp_path):
     assert result.audit.logged > 0
     assert result.audit.lost == 0 and result.audit.duplicates == 0, result.audit
     assert result.decisions == 2 and result.regroups == 2
+    # a step's batch goes out in one-prompt work units: both gpt2 generators share batches,
+    # and each prompt's G samples come from one generator
+    Q = cfg.train.prompts_per_step
+    by_batch, by_prompt = collections.defaultdict(set), collections.defaultdict(set)
+    for exp in ExperienceLogReader(tmp_path / "experience_log"):
+        maker = exp.experience_id.rsplit("/", 1)[1]
+        by_prompt[(exp.model, exp.prompt_id)].add(maker)
+        if exp.model == "gpt2":
+            by_batch[exp.prompt_id // Q].add(maker)
+    assert pool.prompts_per_work == 1 and any(len(m) > 1 for m in by_batch.values())
+    assert all(len(m) == 1 for m in by_prompt.values())
     gpt2 = [f for f in result.formations if f["model"] == "gpt2"]
     assert [f["epoch"] for f in gpt2] == [1, 2, 3]
     assert sorted(gpt2[1]["digests"]) == ["w1", "w3"]  # the joiner formed with the leader ...
