@@ -2,8 +2,8 @@
 
 The policy is a pure function, ``decide(view, state, config) -> Decision``: no clock,
 no I/O, no randomness. The engine (and benchmarks/mwra_simcore.py, which drives this
-same code at cluster scale) builds a ``ClusterView`` from the latest Stats of each
-worker with ``view_from_stats``, calls ``decide``, sends ``Decision.to_assign_messages``
+same code at cluster scale) builds a ``ClusterView`` from the Stats that arrived since
+its previous call with ``view_from_stats``, calls ``decide``, sends ``Decision.to_assign_messages``
 and logs ``Decision.to_record()`` to metrics.jsonl, then keeps ``decision.new_state``
 for the next call.
 
@@ -102,7 +102,7 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class PoolView(msgspec.Struct, kw_only=True):
-    """What the latest Stats say about one (role, model) pool."""
+    """What the Stats since the previous call say about one (role, model) pool."""
 
     key: str  # "generator:<model>" or "learner:<model>"
     workers: list[str]  # assigned to this pool now (in transition or not)

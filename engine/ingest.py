@@ -15,8 +15,10 @@ from tokenbridge import Bridge, BridgeError
 class Ingest:
     """Own experience grouped per prompt; peer experience retokenized into our vocabulary.
 
-    Exactly-once: an experience id seen before is ignored. A peer sample for a prompt
-    this learner already trained on is counted as late and dropped.
+    Exactly-once: a (model, prompt, sample) seen before is ignored, whichever generator
+    sent it (pool mode regenerates a unit whose generator died after publishing part of
+    it). A peer sample for a prompt this learner already trained on is counted as late
+    and dropped.
     """
 
     def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int):
@@ -27,16 +29,17 @@ class Ingest:
         self.consumed: set[int] = set()
         self.peers: dict[int, list[PeerSample]] = {}
         self.peer_counts: collections.Counter[tuple[str, int]] = collections.Counter()
-        self.seen: set[str] = set()
+        self.seen: set[tuple[str, int, int]] = set()
         self._prompts: dict[int, np.ndarray] = {}
         self.failures = 0
         self.late = 0
         self.last_popped: list[OwnSample] = []
 
     def add(self, exp: Experience) -> None:
-        if exp.experience_id in self.seen:
+        key = (exp.model, exp.prompt_id, exp.sample_index)
+        if key in self.seen:
             return
-        self.seen.add(exp.experience_id)
+        self.seen.add(key)
         if exp.model == self.spec.name:
             self._add_own(exp)
         elif exp.model in self.bridges:

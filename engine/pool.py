@@ -5,12 +5,8 @@
         workers w0..wN-1 ── engine.poolworker, one role each (generator / learner rank / idle)
         here: prompt dispatch (pull-based), controller loop, scripted moves, the end-of-run audit
 
-Every prompt batch k holds the same global prompt ids for every model, and is handed
-out in work units of ``prompts_per_work`` prompts. A generator asks for work
-(``WantWork``); a batch is issued to model m only while m is at most
-``max_inflight_batches`` ahead of its own learner and ``max_model_lead_batches`` ahead of
-the slowest peer's learner (a fast model cannot run away from its peers). Units that a
-leaving generator hands back go to the front of the queue.
+Prompts go out in small work units that generators pull (``engine.pooldispatch``), within
+lead limits that keep every model near its own learner and its peers'.
 
 The controller (``engine.controller.decide``) reads the workers' Stats; its moves become
 ``Assign`` messages (sent in ``Order``s over the pool plane, and published on the
@@ -23,7 +19,6 @@ same pool, which is equivalent for the controller and keeps the leader's inbox i
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import shutil
 import sys
@@ -39,12 +34,13 @@ from engine.hub import start_hub
 from engine.metrics import MetricsWriter
 from engine.plan import PromptBook
 from engine.poolaudit import Audit, audit_log
+from engine.pooldispatch import Dispatch
 from engine.poolconfig import PoolConfig, controller_config
 from engine.poolplane import (BatchDone, CoordinatorPlane, GroupFormed, GroupSpec, Halt, HandBack, Hello,
                               LearnerFinal, Order, Regroup, StepDone, WantWork, Work)
 from engine.poolworker import PoolWorkerPlan
 from engine.runfiles import free_port
-from exchange.protocol import SCHEMA_VERSION, Assign, PromptBatch, Stats
+from exchange.protocol import SCHEMA_VERSION, Assign, Stats
 from tasks.registry import make_task
 
 
@@ -62,6 +58,7 @@ class PoolResult(msgspec.Struct):
     decisions: int  # acted controller decisions (+ scripted moves)
     regroups: int
     handbacks: int
+    lost_workers: list[str]  # generators that died mid-run (their units were re-issued)
     formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
     timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
     audit: Audit
@@ -77,25 +74,22 @@ class PoolRun:
         self.hello: set[str] = set()
         self.assignment: dict[str, tuple[str, str]] = {}
         self.groups: dict[str, GroupSpec] = {}
-        self.pending = {m: collections.deque() for m in self.names}  # generators waiting for work
-        self.ready = {m: collections.deque() for m in self.names}  # issued batches nobody holds (handed back)
-        self.issued = {m: 0 for m in self.names}
-        self.steps = {m: 0 for m in self.names}
-        self.stepped_at = {m: time.time() for m in self.names}  # when each model's learner last stepped
+        self.prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
+        self.dispatch = Dispatch(self.names, self.prompts, pool, run_dir.name, cfg.train.group_size)
+        self.steps = self.dispatch.steps  # each model's learner step, as its leader reported
+        self.lost_workers: list[str] = []  # generators that died; their units were taken back
         self.trained: dict[str, set[int]] = {m: set() for m in self.names}
-        self.done_prompts: dict[str, list[int]] = {m: [] for m in self.names}  # generated, per BatchDone
         self.finals: dict[str, LearnerFinal] = {}
         self.formations: dict[tuple[str, int], dict] = {}
         self.fresh: list[Stats] = []  # Stats since the controller's last call: each window counts once
         self.cstate = ControllerState()
         self.seq = 0
-        self.decisions = self.regroups = self.handbacks = 0
+        self.decisions = self.regroups = 0
         self.timeline: list[dict] = []
         self._last_reasons: list[str] = []
         self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
         self.changed = asyncio.Event()
         self.actors: list[actors.Actor] = []
-        self.prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -172,7 +166,7 @@ class PoolRun:
         except TimeoutError:
             raise PoolFailed("the learner groups did not form in time") from None
         self.t_start = time.time()  # the budget starts when work can flow (costs count from t0, the orders)
-        self.stepped_at = {m: self.t_start for m in self.names}
+        self.dispatch.start_clock(self.t_start)
         for m in self.names:
             self._dispatch(m)
 
@@ -218,9 +212,7 @@ class PoolRun:
         old_groups = dict(self.groups)
         self.assignment.update(changes)
         for w in changes:
-            for q in self.pending.values():
-                if w in q:
-                    q.remove(w)
+            self.dispatch.reassigned(w)
         for m in self.names:
             old = old_groups[m].members
             new = [w for w in old if self.assignment[w] == ("learner", m)]
@@ -257,42 +249,11 @@ class PoolRun:
             await self.plane.send(w, Order(assign, self.t0, group))
             await self.pub.send(assign)
 
-    # --- prompt dispatch ---
-    def _may_issue(self, m: str) -> bool:
-        """Within the model's lead over its own learner, and over the slowest live *peer's* learner.
-
-        The second limit keeps a fast model from running away from its peers; it is not
-        applied against the model itself (as the slowest, it would cap its own pipeline at
-        ``max_model_lead_batches`` instead of ``max_inflight_batches`` and idle its generators
-        while its learner catches up). A peer whose learner has not stepped for
-        ``peer_dead_after_s`` is presumed dead (its peers train solo then, see
-        engine.poollearner.PeerWatch), so it holds nobody back.
-        """
-        if self.issued[m] - self.steps[m] >= self.pool.max_inflight_batches:
-            return False
-        now = time.time()
-        peers = [self.steps[n] for n in self.names
-                 if n != m and now - self.stepped_at[n] <= self.pool.peer_dead_after_s]
-        return not peers or self.issued[m] - min(peers) < self.pool.max_model_lead_batches
-
+    # --- prompt dispatch (engine.pooldispatch) ---
     def _dispatch(self, m: str) -> None:
-        while self.open.is_set() and self.pending[m] and (self.ready[m] or self._may_issue(m)):
-            if not self.ready[m]:
-                self.ready[m].extend(self._work_units(m, self.issued[m]))
-                self.issued[m] += 1
-            asyncio.create_task(self.plane.send(self.pending[m].popleft(), Work(self.ready[m].popleft())))
-
-    def _work_units(self, m: str, k: int) -> list[PromptBatch]:
-        """Batch k of model m split into units of ``prompts_per_work`` prompts.
-
-        Small units spread one learner step over every generator of the pool (a step's
-        prompts finish together instead of one generator holding them all), and each
-        unit's Stats reach the controller a whole batch sooner after a cost change.
-        """
-        problems, n = self.prompts.batch(k), self.pool.prompts_per_work
-        return [PromptBatch(schema=SCHEMA_VERSION, run_id=self.run_dir.name, batch_id=k, model=m,
-                            group_size=self.cfg.train.group_size, problems=problems[i:i + n])
-                for i in range(0, len(problems), n)]
+        if self.open.is_set():
+            for worker, unit in self.dispatch.next_work(m, time.time()):
+                asyncio.create_task(self.plane.send(worker, Work(unit)))
 
     async def _listen_plane(self) -> None:
         while True:
@@ -300,19 +261,17 @@ class PoolRun:
             if isinstance(msg, Hello):
                 self.hello.add(wid)
             elif isinstance(msg, WantWork):
-                if self.assignment.get(wid) == ("generator", msg.model) and wid not in self.pending[msg.model]:
-                    self.pending[msg.model].append(wid)
+                if self.assignment.get(wid) == ("generator", msg.model):
+                    self.dispatch.want(wid, msg.model)
             elif isinstance(msg, HandBack):
-                self.ready[msg.batch.model].appendleft(msg.batch)
-                self.handbacks += 1
+                self.dispatch.handed_back(wid, msg.batch)
             elif isinstance(msg, BatchDone):
-                self.done_prompts[msg.model].extend(msg.prompt_ids)
+                self.dispatch.done(wid, msg.model, msg.prompt_ids)
                 if msg.params_digest:
                     self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
                                        weight_version=msg.weight_version, params_digest=msg.params_digest)
             elif isinstance(msg, StepDone):
-                self.steps[msg.model] = msg.step
-                self.stepped_at[msg.model] = time.time()
+                self.dispatch.stepped(msg.model, msg.step, time.time())
                 self.trained[msg.model].update(msg.prompt_ids)
             elif isinstance(msg, GroupFormed):
                 self._formed(msg)
@@ -338,13 +297,39 @@ class PoolRun:
                 self.fresh.append(msg)  # static mode never reads them
 
     async def _watch(self) -> None:
-        """A dead worker ends the run: its role's state is gone (a learner group would wait on it)."""
+        """A generator that dies is written off and the run goes on; any other death ends it.
+
+        A generator holds nothing but its units, which go back to the queue. A learner
+        rank holds training state its group would wait on, and the broker carries all
+        experience, so their deaths (or a death mid-switch) stop the run.
+        """
         while True:
             await asyncio.sleep(0.5)
             for a in self.actors:
-                if not a.alive and a.exitcode != 0:
-                    print(f"[pool] {a.name} exited with code {a.exitcode}", file=sys.stderr, flush=True)
-                    raise PoolFailed(f"{a.name} exited with code {a.exitcode} while the run was going")
+                if a.alive or a.exitcode == 0 or a.name in self.lost_workers:
+                    continue
+                if self._expendable(a.name):
+                    self._lose_generator(a.name, a.exitcode)
+                    continue
+                print(f"[pool] {a.name} exited with code {a.exitcode}", file=sys.stderr, flush=True)
+                raise PoolFailed(f"{a.name} exited with code {a.exitcode} while the run was going")
+
+    def _expendable(self, worker: str) -> bool:
+        """A generator in no learner group, leaving enough workers for a generator and a learner per model."""
+        return (self.assignment.get(worker, ("", ""))[0] == "generator"
+                and all(worker not in g.members for g in self.groups.values())
+                and len(self.assignment) - 1 >= 2 * len(self.names))
+
+    def _lose_generator(self, worker: str, exitcode: int) -> None:
+        model = self.assignment.pop(worker)[1]
+        self.lost_workers.append(worker)
+        units = self.dispatch.lost(worker)
+        retaken = [p.prompt_id for u in units for p in u.problems]
+        print(f"[pool] {worker} (generator of {model}) exited with code {exitcode}: {len(units)} unit(s) go back "
+              f"to the queue, the run goes on with {len(self.assignment)} workers", file=sys.stderr, flush=True)
+        self.metrics.write(event="worker_lost", worker=worker, role="generator", gen_model=model,
+                           exitcode=exitcode, retaken_prompts=retaken)
+        self._dispatch(model)
 
     async def _changed(self, timeout: float) -> None:
         self.changed.clear()
@@ -398,11 +383,13 @@ class PoolRun:
         useful = self.useful_in_budget
         G = self.cfg.train.group_size
         audit = audit_log(self.run_dir / "experience_log", self.names, G, self.trained,
-                          {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.done_prompts)
+                          {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.dispatch.done_prompts,
+                          self.dispatch.retaken)
         samples = len(useful) * G * len(self.names)
         result = PoolResult(mode=self.pool.mode, duration_s=round(duration, 2), useful_prompts=len(useful),
                             useful_samples=samples, useful_samples_per_s=samples / duration, steps=dict(self.steps),
-                            decisions=self.decisions, regroups=self.regroups, handbacks=self.handbacks,
+                            decisions=self.decisions, regroups=self.regroups, handbacks=self.dispatch.handbacks,
+                            lost_workers=list(self.lost_workers),
                             formations=sorted(self.formations.values(), key=lambda r: (r["model"], r["epoch"])),
                             timeline=self.timeline, audit=audit)
         (self.run_dir / "pool_result.json").write_bytes(msgspec.json.encode(result))

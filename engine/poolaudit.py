@@ -4,7 +4,10 @@ Checked against the broker's experience log (``exchange.log.ExperienceLogReader`
 which records every Experience the broker accepted:
 
 - every work unit a generator reported done has all of its G samples per prompt in the log;
-- no (model, prompt, sample) appears twice (a handed-back unit is generated once);
+- no (model, prompt, sample) appears twice (a handed-back unit is generated once), except
+  in a unit taken back from a generator that died after publishing part of it: the
+  replacement generates it whole, and the learners keep the first copy of each sample
+  (``engine.ingest``). Those copies are counted as ``regenerated``, not as duplicates;
 - every complete group in the log was either trained by its model's learner group or
   is reported by the leader as still queued when the run ended.
 """
@@ -22,6 +25,7 @@ from exchange.log import ExperienceLogReader
 class Audit(msgspec.Struct):
     logged: int  # experiences in the log
     duplicates: int
+    regenerated: int  # second copies of samples in units re-issued after their generator died
     missing_from_log: int  # samples of units reported done that the log does not hold
     untrained_not_queued: int  # samples of complete logged groups neither trained nor queued at the end
     lost: int  # missing_from_log + untrained_not_queued
@@ -32,7 +36,8 @@ class Audit(msgspec.Struct):
 
 
 def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[int]],
-              queued: dict[str, list[int]], done_prompts: dict[str, list[int]]) -> Audit:
+              queued: dict[str, list[int]], done_prompts: dict[str, list[int]],
+              retaken: dict[str, set[int]] | None = None) -> Audit:
     seen: collections.Counter = collections.Counter()
     for exp in ExperienceLogReader(log_dir):
         seen[(exp.model, exp.prompt_id, exp.sample_index)] += 1
@@ -46,6 +51,9 @@ def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[i
     for (m, p), n in per_group.items():
         if n >= G and p not in trained.get(m, set()) and p not in set(queued.get(m, [])):
             untrained += n
-    dup = sum(c - 1 for c in seen.values() if c > 1)
-    return Audit(logged=sum(seen.values()), duplicates=dup, missing_from_log=missing,
+    retaken = retaken or {}
+    extra = {key: c - 1 for key, c in seen.items() if c > 1}
+    regenerated = sum(n for (m, p, _), n in extra.items() if p in retaken.get(m, ()))
+    dup = sum(extra.values()) - regenerated
+    return Audit(logged=sum(seen.values()), duplicates=dup, regenerated=regenerated, missing_from_log=missing,
                  untrained_not_queued=untrained, lost=missing + untrained)

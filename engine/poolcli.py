@@ -72,6 +72,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print(f"[pool] {result.mode}: {result.useful_prompts} prompts completed by every model in {result.duration_s:.0f}s "
           f"({result.useful_samples_per_s:.2f} useful samples/s); steps {result.steps}; {result.decisions} moves, "
-          f"{result.regroups} learner re-formations, {result.handbacks} batches handed back; "
+          f"{result.regroups} learner re-formations, {result.handbacks} work units handed back; "
           f"experience lost {result.audit.lost}, duplicated {result.audit.duplicates}", flush=True)
+    if result.lost_workers:
+        print(f"[pool] generators that died and were written off: {', '.join(result.lost_workers)} "
+              f"({result.audit.regenerated} samples regenerated from their units)", flush=True)
     return 0 if result.audit.ok else 1

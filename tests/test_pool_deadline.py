@@ -26,12 +26,12 @@ def ingest(tmp_path_factory):
     return Ingest(spec, own_tok, {"llama": peer_tok}, task, G), own_tok, peer_tok
 
 
-def _exp(model: str, tok, prompt: int, k: int) -> Experience:
+def _exp(model: str, tok, prompt: int, k: int, maker: str = "g", reward: float = 1.0) -> Experience:
     ids = tok.encode("12", add_special_tokens=False)
-    return Experience(schema=SCHEMA_VERSION, run_id="t", experience_id=f"{model}/{prompt}/{k}/g", model=model,
+    return Experience(schema=SCHEMA_VERSION, run_id="t", experience_id=f"{model}/{prompt}/{k}/{maker}", model=model,
                       task="arithmetic", prompt_id=prompt, sample_index=k, group_size=G, weight_version=0,
                       prompt_ids=pack_ids([1, 2]), completion_ids=pack_ids(ids),
-                      behaviour_logprobs=pack_floats([-1.0] * len(ids)), completion_text="12", reward=1.0,
+                      behaviour_logprobs=pack_floats([-1.0] * len(ids)), completion_text="12", reward=reward,
                       verified=True, finish_reason="stop", created_at=0.0, generated_at=0.0)
 
 
@@ -62,6 +62,20 @@ def test_complete_peers_do_not_wait(ingest):
         inbox.add(_exp("llama", peer_tok, 5, k))
     assert asyncio.run(wait_for_peers(inbox, [5], ["llama"], 30.0, asyncio.Event())) < 30.0
     assert inbox.take([5], ["llama"])[2] == 0
+
+
+def test_a_regenerated_unit_keeps_the_first_copy_of_each_sample(ingest):
+    """A generator died after publishing sample 0 of prompt 9; another regenerates the whole unit.
+    The group holds G samples, one per index, the first copy of each (own and peer alike)."""
+    inbox, own_tok, peer_tok = ingest
+    inbox.add(_exp("gpt2", own_tok, 9, 0, maker="dead", reward=1.0))
+    inbox.add(_exp("llama", peer_tok, 9, 0, maker="dead", reward=1.0))
+    for k in range(G):
+        inbox.add(_exp("gpt2", own_tok, 9, k, maker="new", reward=0.0))
+        inbox.add(_exp("llama", peer_tok, 9, k, maker="new", reward=0.0))
+    assert list(inbox.complete).count(9) == 1
+    own, peers, misses = inbox.take([9], ["llama"])
+    assert [s.reward for s in own] == [1.0, 0.0] and [p.reward for p in peers] == [1.0, 0.0] and misses == 0
 
 
 def test_a_silent_peer_is_declared_dead_then_back():
