@@ -74,9 +74,8 @@ class PoolRun:
         self.hello: set[str] = set()
         self.assignment: dict[str, tuple[str, str]] = {}
         self.groups: dict[str, GroupSpec] = {}
-        self.prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
-        self.dispatch = Dispatch(self.names, self.prompts, pool, run_dir.name, cfg.train.group_size)
-        self.steps = self.dispatch.steps  # each model's learner step, as its leader reported
+        prompts = PromptBook(make_task(cfg.task), cfg.train.prompts_per_step)
+        self.dispatch = Dispatch(self.names, prompts, pool, run_dir.name, cfg.train.group_size)
         self.lost_workers: list[str] = []  # generators that died; their units were taken back
         self.trained: dict[str, set[int]] = {m: set() for m in self.names}
         self.finals: dict[str, LearnerFinal] = {}
@@ -187,7 +186,7 @@ class PoolRun:
             if now >= next_log:
                 next_log = now + 5
                 self.say(f"[pool] t={now - self.t_start:5.1f}s  {self._counts_text()}  steps "
-                         + " ".join(f"{m}={self.steps[m]}" for m in self.names)
+                         + " ".join(f"{m}={self.dispatch.steps[m]}" for m in self.names)
                          + f"  useful prompts {len(set.intersection(*self.trained.values()))}")
 
     async def _decide(self, now: float) -> None:
@@ -387,7 +386,7 @@ class PoolRun:
                           self.dispatch.retaken)
         samples = len(useful) * G * len(self.names)
         result = PoolResult(mode=self.pool.mode, duration_s=round(duration, 2), useful_prompts=len(useful),
-                            useful_samples=samples, useful_samples_per_s=samples / duration, steps=dict(self.steps),
+                            useful_samples=samples, useful_samples_per_s=samples / duration, steps=dict(self.dispatch.steps),
                             decisions=self.decisions, regroups=self.regroups, handbacks=self.dispatch.handbacks,
                             lost_workers=list(self.lost_workers),
                             formations=sorted(self.formations.values(), key=lambda r: (r["model"], r["epoch"])),

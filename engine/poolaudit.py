@@ -47,10 +47,9 @@ def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[i
     missing = 0
     for m in models:
         missing += sum(max(G - per_group[(m, p)], 0) for p in done_prompts.get(m, []))
-    untrained = 0
-    for (m, p), n in per_group.items():
-        if n >= G and p not in trained.get(m, set()) and p not in set(queued.get(m, [])):
-            untrained += n
+    queued_sets = {m: set(ids) for m, ids in queued.items()}
+    untrained = sum(n for (m, p), n in per_group.items()
+                    if n >= G and p not in trained.get(m, ()) and p not in queued_sets.get(m, ()))
     retaken = retaken or {}
     extra = {key: c - 1 for key, c in seen.items() if c > 1}
     regenerated = sum(n for (m, p, _), n in extra.items() if p in retaken.get(m, ()))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from poolsetup import static_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,11 +86,8 @@ def test_a_dead_worker_that_cannot_be_spared_fails_the_run_with_one_clear_error(
 @pytest.mark.timeout(600)
 def test_a_dead_generator_is_written_off_and_its_units_regenerated(tmp_path):
     run_dir = tmp_path / "run"
-    out, children, killed_at = kill_after_first_step(
-        run_dir, "w0", "--set", "pool.workers=6", "--set", "pool.duration_s=25", "--set", "eval.num_problems=50",
-        "--set", "pool.mode=static", "--set",
-        "pool.static_split={'generator:gpt2' = 2, 'generator:llama' = 2, 'learner:gpt2' = 1, 'learner:llama' = 1}",
-        "--set", "pool.phases=[{from_s = 0.0, gen_s = {gpt2 = 0.1, llama = 0.1}, train_s = {gpt2 = 0.02, llama = 0.02}}]")
+    sets = [arg for o in static_pool(6, 25, (2, 2, 1, 1), gen_s=0.1) + ["eval.num_problems=50"] for arg in ("--set", o)]
+    out, children, killed_at = kill_after_first_step(run_dir, "w0", *sets)
     # static split in pool-key order: w0 and w1 generate gpt2
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "[pool] w0 (generator of gpt2) exited with code -9" in out.stderr and "goes on with 5 workers" in out.stderr

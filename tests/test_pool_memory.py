@@ -22,6 +22,7 @@ from engine.optim import adamw
 from engine.poolconfig import ScriptedMove, load_pool_run
 from engine.poolworker import PoolWorkerPlan, Worker
 from engine.rolememory import device_bytes, held_bytes, release
+from poolsetup import static_pool
 
 
 class _Tied(torch.nn.Module):
@@ -141,11 +142,7 @@ def test_switches_release_all_but_the_reused_module(worker):
 def test_pool_role_switches_release_before_they_acquire(tmp_path):
     from engine.poolcli import run_pool
 
-    cfg, pool = load_pool_run("configs/pool.toml", [
-        "pool.workers=5", "pool.duration_s=24", "pool.mode=static",
-        "pool.static_split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 1, 'learner:llama' = 2}",
-        "pool.phases=[{from_s = 0.0, gen_s = {gpt2 = 0.05, llama = 0.05}, train_s = {gpt2 = 0.02, llama = 0.02}}]",
-    ])
+    cfg, pool = load_pool_run("configs/pool.toml", static_pool(5, 24, (1, 1, 1, 2)))
     # static assignment in pool-key order: w0 generates gpt2, w1 llama, w2 learns gpt2, w3 (leader) + w4 llama
     pool = msgspec.structs.replace(pool, script=[
         ScriptedMove(at_s=3, worker="w4", role="generator", model="gpt2"),  # a non-leader rank leaves

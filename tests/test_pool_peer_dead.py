@@ -10,17 +10,14 @@ import pytest
 
 from engine.poolcli import run_pool
 from engine.poolconfig import ScriptedMove, load_pool_run
+from poolsetup import static_pool
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_silent_peer_is_presumed_dead_and_its_peer_trains_solo(tmp_path):
-    cfg, pool = load_pool_run("configs/pool.toml", [
-        "pool.workers=4", "pool.duration_s=36", "pool.mode=static", "pool.peer_dead_after_s=8",
-        "pool.max_model_lead_batches=2", "train.peer_deadline_s=2",
-        "pool.static_split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 1, 'learner:llama' = 1}",
-        "pool.phases=[{from_s = 0.0, gen_s = {gpt2 = 0.05, llama = 0.05}, train_s = {gpt2 = 0.02, llama = 0.02}}]",
-    ])
+    cfg, pool = load_pool_run("configs/pool.toml", static_pool(4, 36, (1, 1, 1, 1)) + [
+        "pool.peer_dead_after_s=8", "pool.max_model_lead_batches=2", "train.peer_deadline_s=2"])
     # static assignment in pool-key order: w0 generates gpt2, w1 llama, w2 learns gpt2, w3 llama.
     # At 6 s llama loses its only generator: from then on no llama experience arrives.
     pool = msgspec.structs.replace(pool, script=[ScriptedMove(at_s=6, worker="w1", role="idle")])

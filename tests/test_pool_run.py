@@ -12,16 +12,13 @@ import pytest
 from engine.poolcli import run_pool
 from engine.poolconfig import ScriptedMove, load_pool_run
 from exchange.log import ExperienceLogReader
+from poolsetup import static_pool
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_generator_and_learner_rank_reassigned_mid_run(tmp_path):
-    cfg, pool = load_pool_run("configs/pool.toml", [
-        "pool.workers=5", "pool.duration_s=30", "pool.mode=static",
-        "pool.static_split={'generator:gpt2' = 2, 'generator:llama' = 1, 'learner:gpt2' = 1, 'learner:llama' = 1}",
-        "pool.phases=[{from_s = 0.0, gen_s = {gpt2 = 0.05, llama = 0.05}, train_s = {gpt2 = 0.02, llama = 0.02}}]",
-    ])
+    cfg, pool = load_pool_run("configs/pool.toml", static_pool(5, 30, (2, 1, 1, 1)))
     # static assignment goes in pool-key order: w0,w1 generate gpt2, w2 llama, w3 learns gpt2, w4 llama
     pool = msgspec.structs.replace(pool, script=[
         ScriptedMove(at_s=5, worker="w1", role="learner", model="gpt2"),  # generator -> learner rank
