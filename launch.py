@@ -1,10 +1,10 @@
 """Mutual RL: the one command.
 
     python launch.py                      run the default job (configs/default.toml)
-    python launch.py run --config F       run a config
+    python launch.py run --config F       run a config (configs/pool.toml: MWRA moving 8 workers live)
+    python launch.py cache [--clear]      the cache of warm starts and converted tokenizers
     python launch.py exchange tail ...    watch the live experience stream
     python launch.py exchange stats ...   message rates per topic
-    python launch.py pool --config F      run on a pool of workers that MWRA reassigns live
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
 
     engine_cli.add_commands(sub)
-    from engine import poolcli
-
-    poolcli.add_commands(sub)
     from exchange import cli as exchange_cli
 
     exchange_cli.add_commands(sub)
@@ -40,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handlers are in place
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

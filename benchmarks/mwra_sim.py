@@ -33,8 +33,8 @@ import numpy as np
 from benchmarks.mwra_costs import MODELS, block_costs
 from benchmarks.mwra_oracle import best_static_split, dynamic_run_time
 from benchmarks.mwra_simcore import Simulation, SimResult, sim_config
-from engine.allocation import pool_key
-from engine.controller import ControllerConfig, ModelLimits
+from engine.schedule.allocation import pool_key
+from engine.schedule.controller import ControllerConfig, ModelLimits
 
 STATIONARY_MIN_RATIO = 0.9
 DRIFTING_MIN_RATIO = 1.2

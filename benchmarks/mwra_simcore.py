@@ -30,8 +30,8 @@ import numpy as np
 
 from benchmarks.mwra_costs import (GENERATOR_START_S, LEARNER_JOIN_S, LEARNER_REFORM_S, MODELS,
                                    BlockCosts)
-from engine.allocation import pool_key
-from engine.controller import (ControllerConfig, ControllerState, decide, initial_assignment,
+from engine.schedule.allocation import pool_key
+from engine.schedule.controller import (ControllerConfig, ControllerState, decide, initial_assignment,
                                view_from_stats)
 from exchange.protocol import SCHEMA_VERSION, Stats
 

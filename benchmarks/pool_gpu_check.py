@@ -1,17 +1,17 @@
-"""Pool mode on a GPU: a role switch gives device memory back before it takes the new role's.
+"""Role switches on a GPU: a switch gives device memory back before it takes the new role's.
 
-    python -m benchmarks.pool_gpu_check [--device cuda|cpu] [--duration 40] [--run-dir DIR]
+    python -m benchmarks.pool_gpu_check [--device cuda|cpu] [--steps 40] [--run-dir DIR]
 
-A check, not a timing: one short pool run with ``pool.device = "cuda"`` (4 workers, each
-a GPU, round robin when there are fewer), static split 1/1/1/1 (w0 generates gpt2, w1
-llama, w2 and w3 lead the gpt2 and llama learner groups), and scripted moves that give
-one worker generator -> learner -> generator and learner -> generator -> learner, within
-a model and across models (five switches):
+A check, not a timing: one short run of configs/pool.toml with ``pool.device = "cuda"`` (4
+workers, each a GPU, round robin when there are fewer), static split 1/1/1/1 (w0 generates
+gpt2, w1 llama, w2 and w3 lead the gpt2 and llama learner groups), and scripted moves, each
+fired when llama's learner reaches a step, that give one worker generator -> learner ->
+generator and learner -> generator -> learner, within a model and across models (five switches):
 
-    4 s  w0 generator gpt2 -> learner gpt2    (module reused)   w1 generator llama -> generator gpt2
-    12 s w0 learner gpt2 -> generator llama   (learner state and module dropped)
-    20 s w0 generator llama -> learner llama  (joins w3's group, receives its state)
-    28 s w0 learner llama -> generator llama  (learner state dropped, module reused)
+    step 3   w0 generator gpt2 -> learner gpt2    (module reused)   w1 generator llama -> generator gpt2
+    step 6   w0 learner gpt2 -> generator llama   (learner state and module dropped)
+    step 9   w0 generator llama -> learner llama  (joins w3's group, receives its state)
+    step 12  w0 learner llama -> generator llama  (learner state dropped, module reused)
 
 The objective is SGT, so the learners run the rescue sampling with their CPU RNG next to
 device tensors. The last line is one JSON object: per switch the CUDA allocator's bytes
@@ -33,24 +33,23 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 
-MOVES = [(4, "w0", "learner", "gpt2"), (4, "w1", "generator", "gpt2"), (12, "w0", "generator", "llama"),
-         (20, "w0", "learner", "llama"), (28, "w0", "generator", "llama")]
+MOVES = [(3, "w0", "learner", "gpt2"), (3, "w1", "generator", "gpt2"), (6, "w0", "generator", "llama"),
+         (9, "w0", "learner", "llama"), (12, "w0", "generator", "llama")]
 
 
-def _configure(device: str, duration: float):
-    from engine.poolconfig import ScriptedMove, load_pool_run
+def _configure(device: str, steps: int):
+    from engine.config import load_run_config
 
-    cfg, pool = load_pool_run("configs/pool.toml", [
-        "pool.workers=4", f"pool.duration_s={duration}", "pool.mode=static", f"pool.device={device}",
-        "pool.static_split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 1, 'learner:llama' = 1}",
-        "pool.phases=[{from_s = 0.0, gen_s = {gpt2 = 0.05, llama = 0.05}, train_s = {gpt2 = 0.02, llama = 0.02}}]",
-        "objective.kind=sgt", "train.peer_deadline_s=1.0",  # a model without generators holds its peer back <= 1 s
-    ])
-    return cfg, msgspec.structs.replace(pool, script=[ScriptedMove(at_s=t, worker=w, role=r, model=m)
-                                                      for t, w, r, m in MOVES])
+    moves = ", ".join(f"{{step_of = 'llama', at_step = {k}, worker = '{w}', role = '{r}', model = '{m}'}}"
+                      for k, w, r, m in MOVES)
+    return load_run_config("configs/pool.toml", [
+        "pool.workers=4", f"train.steps={steps}", "pool.allocator=static", f"pool.device={device}",
+        "pool.split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 1, 'learner:llama' = 1}",
+        "pool.costs=[{from_s = 0.0, gen_s = {gpt2 = 0.05, llama = 0.05}, train_s = {gpt2 = 0.02, llama = 0.02}}]",
+        "objective.kind=sgt", "timeouts.peer_wait_s=1.0",  # a model without generators holds its peer back <= 1 s
+        "run.max_minutes=5", "eval.num_problems=20", f"pool.script=[{moves}]"])
 
 
 def _switch(r: dict, measure: str) -> dict:
@@ -95,21 +94,23 @@ def summarize(records: list[dict], result, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pool_gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--duration", type=float, default=40.0, help="the pool run's budget in seconds")
+    parser.add_argument("--steps", type=int, default=16, help="learner steps per model")
     parser.add_argument("--run-dir", default=None, help="keep the run here (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
 
-    from engine.poolcli import run_pool
+    from engine.coordinator import run_config
 
-    cfg, pool = _configure(args.device, args.duration)
+    cfg = _configure(args.device, args.steps)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="pool-gpu-check-") as tmp:
-        run_dir = Path(args.run_dir or tmp)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        result = run_pool(cfg, pool, run_dir, quiet=True)
+        run_dir = Path(args.run_dir or tmp) / "run"
+        code, result = run_config(cfg, run_dir)
+        if result is None:
+            print(json.dumps({"ok": False, "exit_code": code}))
+            return 1
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out = summarize(records, result, args.device)
     out["wall_s"] = round(time.time() - started, 1)  # warm start (cached after the first run) + the pool run

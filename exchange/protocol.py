@@ -84,28 +84,6 @@ class Experience(_Message, tag="exp"):
         return unpack_floats(self.behaviour_logprobs)
 
 
-class Problem(msgspec.Struct, array_like=True, gc=False):
-    """A task instance: the prompt text every model formats with its own template."""
-
-    prompt_id: int
-    task: str
-    question: str
-    answer: str  # what the task's verifier checks against (a number, a target spec, ...)
-
-
-# scheduler -> generators of one model
-class PromptBatch(_Message, tag="prompts"):
-    """Prompts for a generator to sample ``group_size`` completions each."""
-
-    schema: int
-    run_id: str
-    batch_id: int
-    model: str
-    group_size: int
-    problems: list[Problem]
-    min_weight_version: int = 0  # generator must hold at least this version first (0 = any; sync mode uses it)
-
-
 # any worker -> controller, monitors
 class Stats(_Message, tag="stats"):
     """Throughput and queue figures a worker reports once per window."""
@@ -134,7 +112,7 @@ class Stats(_Message, tag="stats"):
     subscriber_backlog: dict[str, int] = {}  # messages waiting per subscriber name (slow ones show here)
 
 
-# controller -> workers
+# coordinator -> monitors (workers get theirs over the engine's own plane)
 class Assign(_Message, tag="assign"):
     """A role assignment: ``worker_id`` becomes ``role`` for ``model`` at its next step boundary."""
 
@@ -146,7 +124,7 @@ class Assign(_Message, tag="assign"):
     reason: str = ""
 
 
-# learner -> its generators, scheduler, monitors
+# learner -> monitors
 class WeightsReady(_Message, tag="weights"):
     """A learner announces that weight version ``version`` of ``model`` can be fetched."""
 
@@ -158,19 +136,19 @@ class WeightsReady(_Message, tag="weights"):
     time: float
 
 
-# supervisor/controller -> any worker
+# anyone -> the broker (and any reader of ``ctl``)
 class Control(_Message, tag="ctl"):
-    """Lifecycle commands."""
+    """Stop the broker (target "*" or its name): the end of a standalone exchange."""
 
     schema: int
-    command: Literal["pause", "resume", "stop", "checkpoint"]
-    target: str = "*"  # a worker id, a model name, or "*" for everyone
+    command: Literal["stop"]
+    target: str = "*"  # the broker's name, or "*" for everyone
     reason: str = ""
 
 
-Message = Union[Experience, PromptBatch, Stats, Assign, WeightsReady, Control]
+Message = Union[Experience, Stats, Assign, WeightsReady, Control]
 
-MESSAGE_TYPES: tuple[type, ...] = (Experience, PromptBatch, Stats, Assign, WeightsReady, Control)
+MESSAGE_TYPES: tuple[type, ...] = (Experience, Stats, Assign, WeightsReady, Control)
 
 
 # --- link messages: between the transport and the broker only, never delivered to application code ---
@@ -236,8 +214,6 @@ def topic_for(msg: Message) -> str:
     """The topic a message travels on; subscribers filter by prefix."""
     if isinstance(msg, Experience):
         return f"exp.{msg.model}"
-    if isinstance(msg, PromptBatch):
-        return f"prompts.{msg.model}"
     if isinstance(msg, WeightsReady):
         return f"weights.{msg.model}"
     if isinstance(msg, Stats):

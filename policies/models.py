@@ -76,7 +76,7 @@ def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> GPT2Config |
     special = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=_pad_id(tokenizer),
+        pad_token_id=pad_token_id(tokenizer),
         tie_word_embeddings=spec.tie_embeddings,
     )
     if spec.arch == "gpt2":
@@ -110,7 +110,7 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """Padding never reaches the loss (masked), so EOS serves where no PAD exists."""
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id

@@ -24,7 +24,8 @@ from policies.objective_config import (
     SurrogateConfig,
     XGRPOConfig,
 )
-from policies.registry import Objective, Stats, compute_loss, get_objective, objective_names, register_objective
+from policies.registry import (Objective, PeerNeed, Stats, compute_loss, get_objective, objective_names, peer_need,
+                               register_objective)
 from policies.surrogate import (
     LOG_RATIO_CLAMP,
     aggregate,
@@ -37,7 +38,8 @@ from policies.surrogate import (
 
 __all__ = [
     "ObjectiveBatch", "ObjectiveConfig", "GRPOConfig", "XGRPOConfig", "PRPConfig", "SGTConfig",
-    "Objective", "compute_loss", "register_objective", "get_objective", "objective_names",
+    "Objective", "PeerNeed", "compute_loss", "register_objective", "get_objective", "objective_names", "peer_need",
+    "select_peers",
     "grpo_objective", "xgrpo_objective", "prp_objective", "sgt_objective", "prp_weights",
 ]
 
@@ -108,7 +110,7 @@ def grpo_objective(*, batch: ObjectiveBatch, config: SurrogateConfig, rng: torch
     return _finish(term.pg, term.kl, config, term.stats)
 
 
-@register_objective("xgrpo", XGRPOConfig)
+@register_objective("xgrpo", XGRPOConfig, peers="rewards")
 def xgrpo_objective(*, batch: ObjectiveBatch, config: XGRPOConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """XGRPO: own tokens only; baseline/scale of group g over own + peer rewards on g (peer scalars only)."""
     fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
@@ -169,7 +171,7 @@ def prp_weights(
     return weight, weight[:, 0][rows], truncated[:, 0][rows]
 
 
-@register_objective("prp", PRPConfig)
+@register_objective("prp", PRPConfig, peers="samples")
 def prp_objective(*, batch: ObjectiveBatch, config: PRPConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """PRP: peer samples join the receiver's group; pooled advantages; peer tokens weighted by w."""
     fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
@@ -203,7 +205,7 @@ def prp_objective(*, batch: ObjectiveBatch, config: PRPConfig, rng: torch.Genera
     return _finish(pg, term.kl, config, stats)
 
 
-@register_objective("sgt", SGTConfig)
+@register_objective("sgt", SGTConfig, peers="rescue")
 def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """SGT: GRPO(own) + lambda * mean over rescue groups of NLL(one uniformly drawn verified peer success)."""
     loss, stats = grpo_objective(batch=batch, config=config, rng=rng)
@@ -244,3 +246,17 @@ def pick_one_per_group(eligible: Tensor, group: Tensor, num_groups: int, rng: to
 
 def _mean_where(values: Tensor, where: Tensor) -> float:
     return float(values[where].mean()) if bool(where.any()) else 0.0
+
+
+def select_peers(need: PeerNeed, own: list, peers: list) -> list:
+    """The peer samples an objective with ``need`` reads, from a step's ``peers``.
+
+    Samples are anything with ``prompt_id`` and ``verified`` (own) / ``verified`` (peers);
+    "rewards" keeps every sample, whose tokens the caller may drop (only the reward is read).
+    """
+    if need == "none":
+        return []
+    if need == "rescue":  # only a verified success on a prompt where every own sample failed can matter
+        failed = {s.prompt_id for s in own} - {s.prompt_id for s in own if s.verified}
+        return [p for p in peers if p.verified and p.prompt_id in failed]
+    return list(peers)

@@ -1,15 +1,16 @@
 """Objective registry: a config's ``kind`` names the function that computes the loss.
 
 Adding an objective is one config Struct (a ``SurrogateConfig`` subclass with a new tag)
-plus one function registered with ``@register_objective(name, ConfigType)``. Every
-registered function has the same keyword-only signature (``Objective``), so signatures
-cannot drift between objectives.
+plus one function registered with ``@register_objective(name, ConfigType, peers=...)``.
+Every registered function has the same keyword-only signature (``Objective``), so
+signatures cannot drift between objectives. ``peers`` declares which peer experience
+the objective reads (``PeerNeed``); the engine waits for, bridges and ships exactly that.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol, TypeVar
+from typing import Callable, Literal, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -18,6 +19,13 @@ from torch import Tensor
 from policies.batch import ObjectiveBatch
 
 Stats = dict[str, float]
+
+# Which peer experience an objective reads:
+#   "none":    none (solo GRPO; the learner never waits for peers)
+#   "rewards": peer rewards on the step's prompts, no tokens (XGRPO's pooled baseline)
+#   "rescue":  verified peer successes on prompts where every own sample failed (SGT)
+#   "samples": every bridged peer sample on the step's prompts (PRP)
+PeerNeed = Literal["none", "rewards", "rescue", "samples"]
 
 
 class Objective(Protocol):
@@ -30,13 +38,14 @@ class Objective(Protocol):
 F = TypeVar("F", bound=Objective)
 
 _REGISTRY: dict[str, tuple[type[msgspec.Struct], Objective]] = {}
+_PEERS: dict[str, PeerNeed] = {}
 
 # Importing this module registers the built-in objectives (grpo, xgrpo, prp, sgt).
 _BUILTINS = "policies.objectives"
 
 
-def register_objective(name: str, config_type: type[msgspec.Struct]) -> Callable[[F], F]:
-    """Decorator: register ``fn`` under ``name``; ``config_type``'s tag must equal ``name``."""
+def register_objective(name: str, config_type: type[msgspec.Struct], peers: PeerNeed = "none") -> Callable[[F], F]:
+    """Decorator: register ``fn`` under ``name``, reading ``peers``; ``config_type``'s tag must equal ``name``."""
     tag = getattr(getattr(config_type, "__struct_config__", None), "tag", None)
     if tag != name:
         raise ValueError(f"objective {name!r}: config type {config_type.__name__} must be tagged {name!r}, found {tag!r}")
@@ -45,6 +54,7 @@ def register_objective(name: str, config_type: type[msgspec.Struct]) -> Callable
         if name in _REGISTRY:
             raise ValueError(f"objective {name!r} is already registered (by {_REGISTRY[name][1].__qualname__})")
         _REGISTRY[name] = (config_type, fn)
+        _PEERS[name] = peers
         return fn
 
     return decorate
@@ -62,6 +72,12 @@ def get_objective(name: str) -> tuple[type[msgspec.Struct], Objective]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown objective {name!r}; registered objectives: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def peer_need(name: str) -> PeerNeed:
+    """Which peer experience objective ``name`` reads (see ``PeerNeed``)."""
+    get_objective(name)
+    return _PEERS[name]
 
 
 def compute_loss(batch: ObjectiveBatch, config: msgspec.Struct, rng: torch.Generator) -> tuple[Tensor, Stats]:

@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.allocation import bottleneck_rate, max_min_counts, plan_moves, pool_key
-from engine.controller import (ClusterView, ControllerConfig, ControllerState, ModelLimits, decide,
+from engine.schedule.allocation import bottleneck_rate, max_min_counts, plan_moves, pool_key
+from engine.schedule.controller import (ClusterView, ControllerConfig, ControllerState, ModelLimits, decide,
                                initial_assignment, view_from_stats)
 from exchange.protocol import SCHEMA_VERSION, Assign, Stats
 

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from engine.config import load_run_config
-from engine.configload import ConfigError
-from engine.runfiles import write_resolved_config
+from engine.config import ConfigError, default_cache_root, load_run_config
+from engine.runtime.rundir import write_resolved_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
 
 
 def test_shipped_configs_load_and_round_trip(tmp_path):
-    for name in ("default.toml", "smoke.toml"):
+    for name in ("default.toml", "smoke.toml", "pool.toml"):
         cfg = load_run_config(ROOT / "configs" / name)
         assert len(cfg.models) == 2
         write_resolved_config(cfg, tmp_path)
@@ -37,9 +37,10 @@ def test_overrides_reach_nested_and_list_fields():
     [
         ("[train]\nlr = 'fast'\n", "train.lr: expected float, got str"),
         ("[train]\nlearning_rate = 0.1\n", "unknown field learning_rate"),
+        ("[train]\nlrr = 0.1\n", "train: unknown field lrr (did you mean lr?)"),
         ("[objective]\nkind = 'ppo'\n", "objective"),
         ("[[models]]\nname = 'a'\narch = 'rnn'\ntokenizer = 'gpt2'\n", "models.0.arch"),
-        ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: must be >= 1"),
+        ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: expected int >= 1, got 0"),
         ("[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "needs >= 2 models"),
         ("this is = not toml [", "not valid TOML"),
     ],
@@ -58,6 +59,39 @@ def test_bad_override_is_a_clear_error():
         load_run_config(SMOKE, ["models.5.n_layer=3"])
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_run_config(SMOKE, ["train.lr"])
+
+
+def test_an_error_in_a_set_value_names_the_flag_not_the_file():
+    with pytest.raises(ConfigError) as err:
+        load_run_config(SMOKE, ["train.lr=fast"])
+    assert str(err.value).startswith("--set train.lr=fast: train.lr: expected float, got str"), err.value
+    with pytest.raises(ConfigError) as err:
+        load_run_config(SMOKE, ["train.stpes=3"])
+    assert str(err.value) == "--set train.stpes=3: train: unknown field stpes (did you mean steps?)"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(SMOKE, ["pool.workers=3"])
+    assert str(err.value).startswith("--set pool.workers=3: pool.workers: 2 models need at least 4 workers")
+
+
+def test_an_empty_checkpoint_directory_is_refused_up_front(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ConfigError, match="models.0.checkpoint: .*ckpt has no config.json"):
+        load_run_config(SMOKE, [f"models.0.checkpoint='{tmp_path / 'ckpt'}'"])
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds no weights"):
+        load_run_config(SMOKE, [f"models.0.checkpoint='{tmp_path / 'ckpt'}'"])
+
+
+def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("MUTUAL_RL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "mutual_rl"
+    monkeypatch.setenv("MUTUAL_RL_CACHE", str(tmp_path / "own"))
+    assert default_cache_root() == tmp_path / "own"
+    cfg = load_run_config(SMOKE, [f"run.cache_dir='{tmp_path / 'cfg'}'"])
+    from engine.config import cache_root
+
+    assert cache_root(cfg) == tmp_path / "cfg"
 
 
 def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -80,6 +114,10 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     result = _launch("run", "--config", str(SMOKE), "--set", "models.0.checkpoint='/nonexistent/ckpt'",
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and "models.0.checkpoint" in result.stderr and "/nonexistent/ckpt" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = _launch("run", "--config", str(SMOKE), "--set", f"models.0.checkpoint='{tmp_path / 'empty'}'",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "no config.json" in result.stderr and "Traceback" not in result.stderr
     result = _launch("run", "--config", str(SMOKE), "--set", "models.1.tokenizer='/nonexistent/tok'",
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and "models.1.tokenizer" in result.stderr, result.stderr
@@ -90,8 +128,19 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
 def test_launch_help_lists_subcommands(tmp_path):
     result = _launch("--help", cwd=tmp_path)
     assert result.returncode == 0
-    for word in ("run", "exchange"):
+    for word in ("run", "exchange", "cache"):
         assert word in result.stdout
+
+
+def test_launch_cache_shows_and_clears_the_cache(tmp_path):
+    env = {**os.environ, "MUTUAL_RL_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "cache" / "warmstart" / "warmstart-gpt2-x").mkdir(parents=True)
+    (tmp_path / "cache" / "warmstart" / "warmstart-gpt2-x" / "model.safetensors").write_bytes(b"0" * 2_000_000)
+    shown = subprocess.run([sys.executable, str(ROOT / "launch.py"), "cache"], env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and "2 MB, 1 cached warm starts" in shown.stdout, shown.stdout
+    cleared = subprocess.run([sys.executable, str(ROOT / "launch.py"), "cache", "--clear"], env=env,
+                             capture_output=True, text=True)
+    assert cleared.returncode == 0 and not (tmp_path / "cache").exists()
 
 
 def test_launch_refuses_a_malformed_task_file(tmp_path):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from exchange.broker import BrokerConfig, spawn_broker

@@ -11,7 +11,7 @@ from benchmarks import mwra_sim
 from benchmarks.mwra_costs import MODELS, block_costs, decode_concurrency, generation_seconds, training_seconds
 from benchmarks.mwra_oracle import best_static_split, brute_force_split, run_time
 from benchmarks.mwra_simcore import Simulation, sim_config
-from engine.controller import ControllerConfig, ModelLimits, initial_assignment
+from engine.schedule.controller import ControllerConfig, ModelLimits, initial_assignment
 
 
 def _costs(workload: str, n: int, steps: int, seed: int = 0):

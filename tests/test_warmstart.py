@@ -9,8 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from engine.evaluation import EvalResult, evaluate
-from engine.warmstart import WarmStartConfig, WarmStartReport, _batch, warm_start, warm_start_path
+from engine.prep.evaluation import EvalResult, evaluate
+from engine.config.schema import WarmStartConfig
+from engine.prep.warmstart import WarmStartReport, _batch, warm_start, warm_start_path
 from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import build_policy

@@ -1,0 +1,157 @@
+"""TOML -> typed config, with ``--set a.b=c`` overrides and errors that name the key and where it came from.
+
+An error in a value given with ``--set`` names the flag, not the file; a misspelled key
+gets the closest existing names ("did you mean ...").
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import msgspec.inspect as mi
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config the user wrote cannot be used; the message names the key and the file or flag."""
+
+
+class Origin:
+    """Where each key of a config tree came from: the file, or a ``--set`` flag."""
+
+    def __init__(self, path: str | Path, overrides: list[tuple[list[str], str]] = ()):
+        self.file = str(path)
+        self.overrides = list(overrides)  # (key path, the flag's text)
+
+    def of(self, key: str) -> str:
+        """``--set train.lr=x`` if a flag set ``key`` (or a table holding it), else the file's path."""
+        parts = key.split(".")
+        for path, text in reversed(self.overrides):
+            if parts[: len(path)] == path or path[: len(parts)] == parts:
+                return f"--set {text}"
+        return self.file
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.of(key)}: {key}: {message}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.lr=3e-4"`` -> (["train", "lr"], 0.0003). Values are TOML literals, else strings."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    path = [part for part in key.strip().split(".") if part]
+    if not path:
+        raise ConfigError(f"--set {text!r}: the key is empty")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word: treat as a string
+    return path, value
+
+
+def apply_override(tree: dict, path: list[str], value: Any, flag: str) -> None:
+    node: Any = tree
+    for depth, part in enumerate(path):
+        where = ".".join(path[: depth + 1])
+        last = depth == len(path) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {flag}: {where}: index must be 0..{len(node) - 1}")
+            index = int(part)
+            if last:
+                node[index] = value
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            node = node.setdefault(part, {}) if not last else node
+        else:
+            raise ConfigError(f"--set {flag}: {'.'.join(path[:depth])} is a value, not a table")
+
+
+def read_tree(path: str | Path, overrides: list[str] = ()) -> tuple[dict, Origin]:
+    """A TOML file as a dict with ``--set`` overrides applied (not yet typed), and where each key came from."""
+    path = Path(path)
+    try:
+        tree = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    applied = []
+    for text in overrides:
+        key_path, value = parse_override(text)
+        apply_override(tree, key_path, value, text)
+        applied.append((key_path, text))
+    return tree, Origin(path, applied)
+
+
+def convert(tree: dict, cls: type[T], origin: Origin) -> T:
+    """Decode ``tree`` into ``cls`` strictly; an error names the key, its origin, and close names."""
+    try:
+        return msgspec.convert(tree, cls)
+    except msgspec.ValidationError as exc:
+        key, text = _split(str(exc))
+        if text.startswith("object contains unknown field "):
+            unknown = text.removeprefix("object contains unknown field ")
+            full = f"{key}.{unknown}" if key else unknown
+            hint = _did_you_mean(unknown, _fields_at(cls, tree, key))
+            raise ConfigError(f"{origin.of(full)}: {key or '(top level)'}: unknown field {unknown}{hint}") from None
+        if ", got" not in text and key:  # "expected int >= 1": say what it got
+            text += f", got {_value_at(tree, key)!r}"
+        raise origin.error(key or "(top level)", text) from None
+
+
+def _value_at(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _split(message: str) -> tuple[str, str]:
+    """msgspec says "Expected `int`, got `str` - at `$.train.lr`" -> ("train.lr", "expected int, got str")."""
+    text, where = message, ""
+    if " - at `$" in message:
+        text, where = message.rsplit(" - at `$", 1)
+        where = where.rstrip("`").lstrip(".").replace("[", ".").replace("]", "")
+    text = text.replace("`", "")
+    return where, text[:1].lower() + text[1:]
+
+
+def _fields_at(cls: type, tree: Any, key: str) -> list[str]:
+    """Field names of the Struct at dotted ``key`` (tagged unions resolved by the tree's tag value)."""
+    info: Any = mi.type_info(cls)
+    node = tree
+    for part in [p for p in key.split(".") if p]:
+        info = _resolve(info, node)
+        if isinstance(info, mi.StructType):
+            field = next((f for f in info.fields if f.encode_name == part), None)
+            if field is None:
+                return []
+            info, node = field.type, node.get(part) if isinstance(node, dict) else None
+        elif isinstance(info, mi.ListType) and part.isdigit():
+            info, node = info.item_type, node[int(part)] if isinstance(node, list) else None
+        else:
+            return []
+    info = _resolve(info, node)
+    return [f.encode_name for f in info.fields] if isinstance(info, mi.StructType) else []
+
+
+def _resolve(info: Any, node: Any) -> Any:
+    """The member of a tagged union (or optional) that ``node`` selects."""
+    if not isinstance(info, mi.UnionType):
+        return info
+    structs = [t for t in info.types if isinstance(t, mi.StructType)]
+    tag = node.get(structs[0].tag_field) if structs and isinstance(node, dict) else None
+    return next((t for t in structs if t.tag == tag), structs[0] if structs else info)
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=2, cutoff=0.5)
+    return f" (did you mean {' or '.join(close)}?)" if close else (f"; known: {', '.join(choices)}" if choices else "")

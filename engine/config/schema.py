@@ -1,0 +1,157 @@
+"""The run config: one msgspec Struct tree, decoded strictly from TOML.
+
+Every field has a default that runs on a laptop CPU; configs/default.toml spells out
+the ones that matter. Cross-field rules live in ``engine.config.validate``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from policies.models import ModelSpec
+from policies.objectives import ObjectiveConfig, SGTConfig
+from tasks.registry import ArithmeticConfig, TaskConfig
+
+PosFloat = Annotated[float, Meta(gt=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Role = Literal["generator", "learner", "idle"]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
+    """A model of the run: its spec plus its own training knobs."""
+
+    lr: float | None = None  # per-model learning rate; None = train.lr
+    warmstart_steps: int | None = None  # per-model warm-start length; None = warmstart.steps
+
+
+class RunSection(_Section):
+    name: str = "mutual-rl"
+    seed: int = 0
+    mode: Literal["async", "sync"] = "async"  # sync: a unit of step k is generated with the weights of step k
+    max_minutes: PosFloat = 14.0  # wall-clock cap of the RL phase; the run then stops cleanly
+    cache_dir: str = ""  # warm starts, converted tokenizers; "" = $MUTUAL_RL_CACHE, else $XDG_CACHE_HOME/mutual_rl
+
+
+class TrainSection(_Section):
+    steps: PosInt = 100  # optimizer steps per model
+    prompts_per_step: PosInt = 8  # prompt groups per optimizer step
+    group_size: PosInt = 8  # G: samples per prompt per model
+    lr: PosFloat = 1e-3
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: PosFloat = 1.0
+    warmup_steps: Annotated[int, Meta(ge=0)] = 0  # linear lr warm-up
+    max_new_tokens: PosInt = 12
+    temperature: PosFloat = 1.0
+    max_inflight_steps: PosInt = 2  # steps of work a model's generators may run ahead of its learner
+    max_model_lead_steps: PosInt = 4  # ... and ahead of the slowest live peer's learner
+
+
+class EvalSection(_Section):
+    num_problems: PosInt = 1000  # held-out problems for the accuracy before and after RL
+    every_steps: Annotated[int, Meta(ge=0)] = 0  # live eval during RL (0 = off)
+    live_problems: PosInt = 200  # problems for the live eval
+    temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 = greedy
+    batch_size: PosInt = 250
+
+
+class CostPhase(_Section):
+    """A modelled compute budget (benchmarks): worker-seconds per sample from ``from_s`` on."""
+
+    from_s: Annotated[float, Meta(ge=0)] = 0.0
+    gen_s: dict[str, PosFloat] = {}  # model -> worker-seconds to generate one sample
+    train_s: dict[str, PosFloat] = {}  # model -> worker-seconds to train on one sample
+
+
+class ScriptedMove(_Section):
+    """A forced reassignment (tests, demos): once ``step_of``'s learner reaches ``at_step``."""
+
+    at_step: Annotated[int, Meta(ge=0)]
+    step_of: str  # the model whose learner step triggers the move
+    worker: str
+    role: Role
+    model: str = ""
+
+
+class PoolSection(_Section):
+    workers: Annotated[int, Meta(ge=2)] = 4  # worker processes, each one device (a GPU; here a CPU process)
+    allocator: Literal["static", "mwra"] = "static"  # static: keep `split`; mwra: the controller moves workers
+    split: dict[str, int] = {}  # static: "generator:<m>"/"learner:<m>" -> workers; {} = a learner per model, rest generate
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: worker i on GPU i mod the GPU count
+    threads_per_worker: PosInt = 1  # torch threads of each worker process
+    prompts_per_work: Annotated[int, Meta(ge=0)] = 0  # prompts per work unit; 0 = a whole step's batch
+    max_respawns: Annotated[int, Meta(ge=0)] = 3  # dead workers replaced by fresh processes, per run
+    controller: dict[str, float] = {}  # MWRA settings (decision_interval_s, cooldown_s, ...)
+    controller_every_s: PosFloat = 1.0  # how often the coordinator consults the allocator
+    script: list[ScriptedMove] = []  # forced moves, on top of the allocator
+    costs: list[CostPhase] = []  # modelled compute budget over time; [] = real compute only
+
+    def cost(self, kind: Literal["gen", "train"], model: str, t: float) -> float:
+        """Worker-seconds per sample of ``model`` at ``t`` seconds into the run (0: no budget)."""
+        current = 0.0
+        for phase in sorted(self.costs, key=lambda p: p.from_s):
+            if phase.from_s <= t:
+                current = (phase.gen_s if kind == "gen" else phase.train_s).get(model, 0.0)
+        return current
+
+
+class TimeoutSection(_Section):
+    """Every blocking wait of the engine, by name; an expiry is a logged failure, never a hang."""
+
+    worker_start_s: PosFloat = 120.0  # a spawned worker says hello
+    group_form_s: PosFloat = 120.0  # a learner group forms, or one of its collectives completes
+    tick_s: PosFloat = 1.0  # a leader waiting for data pings its ranks this often (inside group_form_s)
+    peer_wait_s: PosFloat = 5.0  # a learner waits this long for its peers' groups on a step's prompts
+    peer_silent_s: PosFloat = 60.0  # a model whose learner has not stepped this long is declared gone
+    weights_s: PosFloat = 60.0  # a generator waits for the weight version a unit asks for
+    halt_s: PosFloat = 60.0  # generators finish their units after the stop
+    final_s: PosFloat = 600.0  # learners checkpoint and run the final evaluation after the stop
+
+
+class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How long and how hard to imitate worked solutions."""
+
+    steps: Annotated[int, Meta(ge=0)] = 300  # optimizer steps (an upper bound if seconds is set)
+    seconds: Annotated[float, Meta(gt=0)] | None = None  # wall-clock budget; result then depends on the machine
+    batch_size: Annotated[int, Meta(ge=1)] = 32
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
+    warmup_steps: Annotated[int, Meta(ge=0)] = 10  # linear lr ramp; Adam's first steps are noisy
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    stop_accuracy: Annotated[float, Meta(gt=0, le=1)] | None = None  # stop once greedy train accuracy reaches it
+    check_every: Annotated[int, Meta(ge=1)] = 50  # steps between accuracy checks
+    check_problems: Annotated[int, Meta(ge=1)] = 64  # training problems per check
+    seed: int = 0  # model init and problem order
+
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    models: list[ModelConfig] = []
+    task: TaskConfig = ArithmeticConfig()
+    objective: ObjectiveConfig = SGTConfig()
+    train: TrainSection = TrainSection()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    eval: EvalSection = EvalSection()
+    pool: PoolSection = PoolSection()
+    timeouts: TimeoutSection = TimeoutSection()
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def model(self, name: str) -> ModelConfig:
+        return self.models[self.names.index(name)]
+
+
+def model_spec(m: ModelConfig, checkpoint: str | None = None) -> ModelSpec:
+    """The plain ModelSpec of a model entry (lr and warm-start length do not change the architecture)."""
+    fields = {f: getattr(m, f) for f in ModelSpec.__struct_fields__}
+    if checkpoint is not None:
+        fields["checkpoint"] = checkpoint
+    return ModelSpec(**fields)

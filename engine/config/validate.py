@@ -1,0 +1,74 @@
+"""Cross-field rules of a run config: each failure is one ConfigError naming the key and how to fix it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config.load import ConfigError, Origin
+from engine.config.schema import RunConfig
+
+
+def validate(cfg: RunConfig, origin: Origin) -> RunConfig:
+    _models(cfg, origin)
+    if cfg.objective.kind != "grpo" and len(cfg.models) < 2:
+        raise origin.error("objective.kind", f"{cfg.objective.kind!r} uses peer experience and needs >= 2 models; "
+                                             'use kind = "grpo" for a single model')
+    _pool(cfg, origin)
+    return cfg
+
+
+def _models(cfg: RunConfig, origin: Origin) -> None:
+    if not cfg.models:
+        raise ConfigError(f"{origin.file}: models: at least one [[models]] table is required")
+    names = cfg.names
+    for i, m in enumerate(cfg.models):
+        if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
+            raise origin.error(f"models.{i}.name", f"{m.name!r} must be letters, digits, '-' or '_'")
+        if names.count(m.name) > 1:
+            raise origin.error(f"models.{i}.name", f"{m.name!r} is used twice; names must be unique")
+        if m.checkpoint is not None:
+            problem = checkpoint_problem(Path(m.checkpoint))
+            if problem:
+                raise origin.error(f"models.{i}.checkpoint", problem)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a loadable save_pretrained directory, or None."""
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json (not a save_pretrained directory)"
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        return f"{path} holds no weights (*.safetensors)"
+    return None
+
+
+def _pool(cfg: RunConfig, origin: Origin) -> None:
+    pool, names = cfg.pool, cfg.names
+    if 2 * len(names) > pool.workers:
+        raise origin.error("pool.workers", f"{len(names)} models need at least {2 * len(names)} workers "
+                                           f"(a generator and a learner each), got {pool.workers}")
+    if pool.split:
+        keys = {f"{r}:{m}" for r in ("generator", "learner") for m in names}
+        if set(pool.split) != keys:
+            raise origin.error("pool.split", f"must give a count for each of {sorted(keys)}")
+        if sum(pool.split.values()) != pool.workers or min(pool.split.values()) < 1:
+            raise origin.error("pool.split", f"counts must be >= 1 and sum to pool.workers ({pool.workers})")
+    if pool.prompts_per_work > cfg.train.prompts_per_step:
+        raise origin.error("pool.prompts_per_work", f"{pool.prompts_per_work} exceeds train.prompts_per_step "
+                                                    f"({cfg.train.prompts_per_step}); a work unit is part of one step")
+    for i, phase in enumerate(pool.costs):
+        for kind in ("gen_s", "train_s"):
+            unknown = set(getattr(phase, kind)) - set(names)
+            if unknown:
+                raise origin.error(f"pool.costs.{i}.{kind}", f"unknown model(s) {sorted(unknown)}")
+    for i, move in enumerate(pool.script):
+        if move.step_of not in names:
+            raise origin.error(f"pool.script.{i}.step_of", f"{move.step_of!r} is not a model of the run")
+        if move.role != "idle" and move.model not in names:
+            raise origin.error(f"pool.script.{i}.model", f"{move.model!r} is not a model of the run")
+    if pool.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise origin.error("pool.device", '"cuda" needs a CUDA device and torch sees none; use "cpu"')

@@ -1,0 +1,458 @@
+"""The coordinator: one asyncio (uvloop) process that runs a whole job, every job.
+
+    launch.py run -> engine.cli -> Coordinator.run():
+        warm starts (cached; one process per model)
+        broker (SEE hub) ── one process: experience, Stats, the experience log
+        workers w0..wN-1 ── engine.roles.worker: one device each, one role each
+        here: the allocator (static | mwra) and scripted moves, work dispatch, learner groups,
+              the failure policy, signals, the live display, the end-of-run audit and summary
+
+The end is always the same path, whatever triggers it (every model done, the time
+limit, Ctrl-C/SIGTERM, a failure): generators halt first (their last experience reaches
+the log), then learners (leaders checkpoint and evaluate), then every process is stopped
+(join, SIGTERM, SIGKILL), so no process, socket or shared-memory slot outlives the run.
+
+One failure policy (``engine.runtime.failures``): a dead generator's units go out again
+and a fresh worker takes its place; a dead learner rank's group re-forms from the
+survivors; a model with no learner left leaves the run and its peers train solo, saying
+so; the broker's death ends the run. Each is one line on stderr and a metrics record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from engine.config import RunConfig
+from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
+from engine.roles.worker import WorkerPlan
+from engine.runtime import actors
+from engine.runtime.display import LiveDisplay, print_summary
+from engine.runtime.failures import FailurePolicy, RunFailed
+from engine.runtime.hub import start_hub, stop_broker
+from engine.runtime.metrics import MetricsWriter
+from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, Halt, HandBack, Hello, LearnerFinal,
+                                  PeersGone, StepDone, UnitDone, WantWork, Work)
+from engine.runtime.rundir import mark, write_json
+from engine.schedule.allocator import Script, make_allocator
+from engine.schedule.audit import Audit, audit_log
+from engine.schedule.dispatch import Dispatch
+from engine.schedule.roster import Roster
+from engine.weights.channel import channel_root
+from exchange.protocol import Stats
+from tasks.registry import make_task
+
+
+class RunResult(msgspec.Struct):
+    duration_s: float  # the RL phase, from the first dispatch to the stop
+    useful_prompts: int  # prompts every model still in the run generated AND trained on
+    useful_samples: int
+    useful_samples_per_s: float
+    steps: dict[str, int]
+    moves: int  # acted allocator decisions and scripted moves
+    regroups: int
+    handbacks: int
+    lost_workers: list[str]
+    respawned: list[str]
+    left_the_run: dict[str, str]  # model -> why
+    gen_busy_s: dict[str, float]  # per model: worker-seconds spent generating
+    train_busy_s: dict[str, float]  # per model: seconds its leader spent in optimizer steps
+    formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
+    timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
+    audit: Audit
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False):
+        self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
+        self.names = cfg.names
+        self.allocator, self.script = make_allocator(cfg), Script(cfg.pool.script)
+        self.dispatch = Dispatch(cfg, make_task(cfg.task))
+        self.roster = Roster(self.names)
+        self.failures = FailurePolicy(self)
+        self.actors: dict[str, actors.Actor] = {}
+        self.device_of: dict[str, int] = {}
+        self.hello: set[str] = set()
+        self.trained: dict[str, set[int]] = {m: set() for m in self.names}
+        self.last_step_at: dict[str, float] = {}
+        self.finals: dict[str, LearnerFinal] = {}
+        self.gone: dict[str, str] = {}  # models that send no experience now (finished, failed or silent), why
+        self.formations: dict[tuple[str, int], dict] = {}
+        self.fresh: list[Stats] = []  # Stats since the allocator's last tick: each window counts once
+        self.moves = 0
+        self.busy = {"gen": {m: 0.0 for m in self.names}, "train": {m: 0.0 for m in self.names}}
+        self.timeline: list[dict] = []
+        self.preps: list[PrepResult] = []
+        self.interrupted: int | None = None  # the signal that stopped the run
+        self.stopping = False
+        self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
+        self.changed = asyncio.Event()
+        self.t_start = self.t_stop = 0.0
+
+    def say(self, text: str, err: bool = False) -> None:
+        if err or not self.quiet:
+            print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+    # --- the whole run ---
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="mrl-"))
+        result = None
+        try:
+            self.prep_actors: list[actors.Actor] = []
+            self.preps = await prepare_all(self.cfg, self.run_dir, self.prep_actors)
+            if self.interrupted is None:
+                await self._start()
+                await self.failures.watching(self._begin_and_drive())
+                self.t_stop = time.time()
+                self.useful = self._useful()
+                await self._halt()
+                result = self._result()
+        except (RunFailed, PrepFailed) as exc:
+            if self.interrupted is None:
+                self.failures.fail(str(exc))
+        finally:
+            await self._shutdown()
+        return self._report(result)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.interrupted is not None:  # a second Ctrl-C: stop waiting for checkpoints and evaluations
+            self.failures.fail(f"{signal.Signals(sig).name} twice: stopped without waiting for final evaluations")
+            for a in [*self.actors.values(), *getattr(self, "prep_actors", [])]:
+                a.process.kill()
+            return
+        self.interrupted = sig
+        self.interrupted_in = "the warm start" if not self.actors else "the run"
+        then = ("nothing to save: a warm start is cached only when complete" if not self.actors
+                else "checkpoints and final evaluations follow; again to abort")
+        self.say(f"\n{signal.Signals(sig).name} during {self.interrupted_in}: stopping ({then})")
+        for a in getattr(self, "prep_actors", []):
+            a.process.kill()  # a warm start is cached only when complete: nothing to save
+        self.changed.set()
+
+    async def _start(self) -> None:
+        hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator")
+        self.actors["broker"] = hub.actor
+        self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
+        write_json(self.run_dir, "endpoints.json", {"publish": self.broker_in, "subscribe": self.broker_out})
+        self.say(f"watch the experience stream: python launch.py exchange tail --connect {self.broker_out}")
+        self.plane = CoordinatorPlane(f"ipc://{self.sock_dir}/plane")
+        self.metrics = MetricsWriter(self.run_dir, "engine")
+        self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
+        for i in range(self.cfg.pool.workers):
+            self.spawn_worker(f"w{i}", i)
+        self.tasks = [asyncio.create_task(c) for c in (self._listen_plane(), self._listen_stats())]
+        for task in self.tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A listener of the coordinator must never die quietly: the run would wait for messages forever."""
+        if not task.cancelled() and task.exception() is not None:
+            import traceback
+
+            traceback.print_exception(task.exception())
+            self.failures.fatal = f"the coordinator's {task.get_coro().__name__} failed: {task.exception()!r}"
+            self.changed.set()
+
+    def spawn_worker(self, wid: str, device_index: int) -> None:
+        warm_acc = {p.model: [p.warm_accuracy, p.warm_accuracy_stderr] for p in self.preps}
+        plan = WorkerPlan(worker_id=wid, device_index=device_index, run_id=self.run_dir.name,
+                          run_dir=str(self.run_dir), config=self.cfg, broker_in=self.broker_in,
+                          broker_out=self.broker_out, plane=f"ipc://{self.sock_dir}/plane",
+                          weights_root=str(self.weights_root),
+                          warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc)
+        self.actors[wid] = actors.spawn(wid, "engine.roles.worker:run", msgspec.msgpack.encode(plan),
+                                        self.cfg.pool.threads_per_worker)
+        self.device_of[wid] = device_index
+        write_json(self.run_dir, "pids.json", {a.name: a.process.pid for a in self.actors.values()})
+
+    async def _begin_and_drive(self) -> None:
+        workers = [f"w{i}" for i in range(self.cfg.pool.workers)]
+        await self.wait_until(lambda: self.hello >= set(workers), self.cfg.timeouts.worker_start_s,
+                              lambda: f"workers {sorted(set(workers) - self.hello)} never said hello")
+        await self.send_all(self.roster.start(self.allocator.initial(workers), time.time()))
+        self._log_counts()
+        await self.wait_until(self.open.is_set, self.cfg.timeouts.group_form_s,
+                              lambda: "the learner groups did not form in time")
+        self.t_start = time.time()
+        self.last_step_at = {m: self.t_start for m in self.names}
+        await self._drive()
+
+    async def wait_until(self, predicate, timeout: float, why) -> None:
+        deadline = time.time() + timeout
+        while not predicate() and self.interrupted is None and not self.failures.fatal:
+            if time.time() > deadline:
+                raise RunFailed(why())
+            await self._changed(1.0)
+
+    async def _drive(self) -> None:
+        display = LiveDisplay(self.cfg, self.preps, enabled=not self.quiet)
+        self.display, deadline, next_tick = display, self.t_start + self.cfg.run.max_minutes * 60, 0.0
+        try:
+            while self.interrupted is None and not self.failures.fatal:
+                running = [m for m in self.names if m not in self.finals and m not in self.failures.left]
+                if not running:
+                    break
+                if all(m in self.dispatch.silent for m in running):  # nothing can progress any more
+                    self.failures.fail(f"{', '.join(running)} made no progress for "
+                                       f"timeouts.peer_silent_s={self.cfg.timeouts.peer_silent_s:g}s; stopped")
+                    break
+                now = time.time()
+                if now >= deadline:
+                    self.say(f"\nrun.max_minutes={self.cfg.run.max_minutes:g} reached: stopping")
+                    break
+                if now >= next_tick:
+                    next_tick = now + self.cfg.pool.controller_every_s
+                    await self._tick(now)
+                self.dispatch_all()
+                display.refresh(f"[pool] {self._counts_text()}")
+                await self._changed(min(self.cfg.pool.controller_every_s, deadline - now))
+        finally:
+            display.close()
+
+    async def _tick(self, now: float) -> None:
+        for move in self.script.due(dict(self.dispatch.steps)):
+            await self.apply({move.worker: (move.role, move.model)}, f"scripted move at {move.step_of} step {move.at_step}")
+        changes, reason, records = self.allocator.tick(now, self.fresh, dict(self.roster.assignment))
+        self.fresh = []
+        for record in records:
+            self.metrics.write(**record)
+        if changes:
+            self.say(f"[mwra] {reason}")
+            await self.apply(changes, reason)
+        self._check_silence(now)
+        self._log_counts()
+
+    async def apply(self, changes: dict[str, tuple[str, str]], reason: str) -> None:
+        applied, messages = self.roster.apply(changes, reason)
+        if not applied:
+            return
+        self.moves += 1
+        for w in applied:
+            self.dispatch.reassigned(w)
+            if w not in changes and hasattr(self.allocator, "moved"):
+                self.allocator.moved(w, time.time())  # a leader's stand-in: its dwell starts now
+        await self.send_all(messages)
+        self.metrics.write(event="assign", changes={w: list(rm) for w, rm in applied.items()}, reason=reason,
+                           groups={m: g.members for m, g in self.roster.groups.items()})
+
+    async def send_all(self, messages) -> None:
+        for worker, msg in messages:
+            await self.plane.send(worker, msg)
+            if hasattr(msg, "assign"):
+                await self.pub.send(msg.assign)  # monitors see every role change on the exchange
+
+    def dispatch_all(self) -> None:
+        if self.open.is_set() and not self.stopping:
+            for m in self.names:
+                for worker, unit in self.dispatch.next_work(m):
+                    asyncio.create_task(self.plane.send(worker, Work(unit)))
+
+    def _check_silence(self, now: float) -> None:
+        """A model whose learner has not stepped for ``peer_silent_s`` holds nobody back until it steps again."""
+        silent = {m for m, t in self.last_step_at.items()
+                  if now - t > self.cfg.timeouts.peer_silent_s and m not in self.finals and m not in self.failures.left}
+        if silent != self.dispatch.silent:
+            for m in sorted(silent - self.dispatch.silent):
+                self.say(f"[run] {m}: no learner step for {now - self.last_step_at[m]:.0f}s: presumed gone, "
+                         "its peers train without it", err=True)
+            self.dispatch.silent = silent
+            self.set_gone()
+
+    def set_gone(self) -> None:
+        gone = {m: f"no learner step for over {self.cfg.timeouts.peer_silent_s:g}s" for m in self.dispatch.silent}
+        gone.update({m: f"finished its {f.step} steps" for m, f in self.finals.items()})
+        gone.update(self.failures.left)
+        if gone != self.gone:
+            self.gone = gone
+            for w in self.roster.assignment:
+                asyncio.create_task(self.plane.send(w, PeersGone(gone)))
+
+    # --- what the workers say ---
+    async def _listen_plane(self) -> None:
+        while True:
+            wid, msg = await self.plane.recv()
+            if isinstance(msg, Hello):
+                self.hello.add(wid)
+                await self.failures.hello(wid)
+            elif isinstance(msg, WantWork):
+                if self.roster.assignment.get(wid) == ("generator", msg.model):
+                    self.dispatch.want(wid, msg.model)
+            elif isinstance(msg, HandBack):
+                self.dispatch.handed_back(wid, msg.unit)
+            elif isinstance(msg, UnitDone):
+                self.dispatch.done(wid, msg.model, msg.prompt_ids)
+                self.busy["gen"][msg.model] += msg.busy_s
+                if msg.params_digest:
+                    self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
+                                       weight_version=msg.weight_version, params_digest=msg.params_digest)
+            elif isinstance(msg, StepDone):
+                self._stepped(msg)
+            elif isinstance(msg, GroupFormed):
+                self._formed(msg)
+            elif isinstance(msg, GroupBroken):
+                await self.failures.broken(msg)
+            elif isinstance(msg, LearnerFinal):
+                self.finals[msg.model] = msg
+                self.dispatch.leave(msg.model)
+                self.set_gone()
+            self.dispatch_all()
+            self.changed.set()
+
+    def _stepped(self, msg: StepDone) -> None:
+        self.dispatch.stepped(msg.model, msg.step)
+        self.trained[msg.model].update(msg.prompt_ids)
+        self.busy["train"][msg.model] += msg.report.step_s
+        self.last_step_at[msg.model] = time.time()
+        self.failures.stepped(msg.model)
+        if msg.model in self.dispatch.silent:
+            self.dispatch.silent.discard(msg.model)
+            self.set_gone()
+        if hasattr(self, "display"):
+            self.display.update(msg.model, msg.step, msg.report)
+
+    def _formed(self, msg: GroupFormed) -> None:
+        rec = self.formations.setdefault((msg.model, msg.epoch), {"model": msg.model, "epoch": msg.epoch,
+                                                                  "step": msg.step, "digests": {}})
+        rec["digests"][msg.worker_id] = msg.digest
+        leaders = {m: self.roster.leader(m) for m in self.names}
+        if all(leaders[m] in self.formations.get((m, 1), {}).get("digests", {}) for m in self.names):
+            self.open.set()
+
+    async def _listen_stats(self) -> None:
+        while True:
+            msg = await self.sub.recv()
+            if isinstance(msg, Stats) and msg.worker_id in self.roster.assignment:
+                self.fresh.append(msg)
+
+    async def _changed(self, timeout: float) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
+        except TimeoutError:
+            pass
+
+    # --- the end ---
+    async def _halt(self) -> None:
+        """Generators first (their last units reach the log), then learners (leaders checkpoint and evaluate)."""
+        self.stopping = True
+        t = self.cfg.timeouts
+        others = [w for w, (r, _) in self.roster.assignment.items() if r != "learner"]
+        await self.send_all([(w, Halt("end of run")) for w in others])
+        await self._wait_exit(others, t.halt_s)
+        learners = [w for w, (r, _) in self.roster.assignment.items() if r == "learner"]
+        await self.send_all([(w, Halt("end of run")) for w in learners])
+        owed = [m for m in self.names if m not in self.failures.left]
+        deadline = time.time() + t.final_s
+        while (not all(m in self.finals for m in owed) and time.time() < deadline and self._any_alive(learners)
+               and not self.failures.fatal):
+            await self._changed(1.0)
+        missing = [m for m in owed if m not in self.finals]
+        if missing:
+            self.failures.fail(f"no final checkpoint and evaluation from {', '.join(missing)} "
+                               f"(timeouts.final_s={t.final_s:g})")
+
+    async def _wait_exit(self, workers: list[str], timeout: float) -> None:
+        deadline = time.time() + timeout
+        while self._any_alive(workers) and time.time() < deadline and not self.failures.fatal:
+            await self._changed(0.1)
+
+    def _any_alive(self, workers: list[str]) -> bool:
+        return any(self.actors[w].alive for w in workers if w in self.actors)
+
+    async def _shutdown(self) -> None:
+        self.stopping = True
+        for task in [*getattr(self, "tasks", []), getattr(self.failures, "watch", None)]:
+            if task is not None:
+                task.cancel()
+        procs = list(self.actors.values())
+        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], 10.0)
+        if "broker" in self.actors and self.actors["broker"].alive:
+            try:
+                await asyncio.wait_for(stop_broker(self.pub), 5.0)
+            except (TimeoutError, OSError):
+                pass  # stop_all below ends it
+        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], 10.0)
+        await asyncio.to_thread(actors.stop_all, getattr(self, "prep_actors", []), 0.0)
+        for closer in ("sub", "pub", "plane", "metrics"):
+            if hasattr(self, closer):
+                getattr(self, closer).close()
+        if hasattr(self, "weights_root"):
+            shutil.rmtree(self.weights_root, ignore_errors=True)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+    def _useful(self) -> set[int]:
+        """Prompts every model still in the run has trained on (those after the stop do not count)."""
+        stayed = [self.trained[m] for m in self.names if m not in self.failures.left]
+        return set.intersection(*stayed) if stayed else set()
+
+    def _result(self) -> RunResult:
+        stayed = [m for m in self.names if m not in self.failures.left]
+        audit = audit_log(self.run_dir / "experience_log", stayed, self.cfg.train.group_size, self.trained,
+                          {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.dispatch.done_prompts,
+                          self.dispatch.retaken)
+        duration = max(self.t_stop - self.t_start, 1e-9)
+        samples = len(self.useful) * self.cfg.train.group_size * len(stayed)
+        result = RunResult(duration_s=round(duration, 2), useful_prompts=len(self.useful), useful_samples=samples,
+                           useful_samples_per_s=samples / duration, steps=dict(self.dispatch.steps), moves=self.moves,
+                           regroups=self.roster.regroups, handbacks=self.dispatch.handbacks,
+                           lost_workers=self.failures.lost, respawned=self.failures.respawned,
+                           left_the_run=dict(self.failures.left), gen_busy_s=self.busy["gen"],
+                           train_busy_s=self.busy["train"],
+                           formations=sorted(self.formations.values(), key=lambda r: (r["model"], r["epoch"])),
+                           timeline=self.timeline, audit=audit)
+        (self.run_dir / "run_result.json").write_bytes(msgspec.json.encode(result))
+        if not audit.ok:
+            self.failures.fail(f"the audit of the experience log found {audit.lost} lost and {audit.duplicates} "
+                               "duplicated experiences")
+        return result
+
+    def _report(self, result: RunResult | None) -> int:
+        """Summary, markers, exit code: 1 if the run failed, 128 + signal if a signal stopped it, else 0."""
+        if self.preps and (self.finals or result is not None):
+            print_summary(self.cfg, self.preps, self.finals)
+        if result is not None:
+            a = result.audit
+            self.say(f"[run] {result.useful_prompts} prompts trained by every model in {result.duration_s:.0f}s; "
+                     f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
+                     f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
+        if self.interrupted is not None:
+            name = signal.Signals(self.interrupted).name
+            saved = ", ".join(f"{m} at step {f.step}" for m, f in self.finals.items()) or "none (nothing trained)"
+            mark(self.run_dir, "INTERRUPTED", f"stopped by {name} during {self.interrupted_in}; "
+                                              f"checkpoints and final evaluations: {saved}")
+        if self.failures.messages:
+            text = "; ".join(self.failures.messages)
+            mark(self.run_dir, "FAILED", text)
+            print(f"error: {text}", file=sys.stderr, flush=True)
+            return 1
+        return 128 + self.interrupted if self.interrupted is not None else 0
+
+    def _counts_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in sorted(self.roster.counts().items()))
+
+    def _log_counts(self) -> None:
+        t = round(time.time() - (self.t_start or time.time()), 2)
+        counts = self.roster.counts()
+        if not self.timeline or self.timeline[-1]["counts"] != counts or len(self.timeline) % 5 == 0:
+            self.timeline.append({"t": t, "counts": counts})
+            self.metrics.write(event="allocation", t=t, counts=counts)
+
+
+def run_config(cfg: RunConfig, run_dir: Path, quiet: bool = True) -> tuple[int, RunResult | None]:
+    """One whole run in this process (benchmarks, checks): its exit code and its result, if it got that far."""
+    import uvloop
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = uvloop.run(Coordinator(cfg, run_dir, quiet=quiet).run())
+    path = run_dir / "run_result.json"
+    return code, msgspec.json.decode(path.read_bytes(), type=RunResult) if path.exists() else None

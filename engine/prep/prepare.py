@@ -1,0 +1,110 @@
+"""Before RL: each model's warm start and its held-out accuracy, both cached on disk.
+
+One process per model, in parallel (the warm starts are independent). The result for
+model m is the warm-start checkpoint directory and its evaluation, written as JSON into
+that directory so a later run on this machine reuses both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+
+from engine.config import RunConfig, cache_root, model_spec, tokenizer_cache
+from engine.prep.evaluation import held_out_accuracy
+from engine.prep.warmstart import warm_start, warm_start_path
+from engine.runtime import actors
+from tasks.registry import make_task
+from tokenbridge import load_tokenizer
+
+
+class PrepFailed(RuntimeError):
+    """A model's warm start could not be made; the message says which."""
+
+
+class PrepPlan(msgspec.Struct, frozen=True):
+    config: RunConfig
+    model_index: int
+    cache_dir: str
+    result_path: str  # where the child writes its PrepResult
+    progress: bool = True
+
+
+class PrepResult(msgspec.Struct, frozen=True):
+    model: str
+    checkpoint: str
+    warm_accuracy: float
+    warm_accuracy_stderr: float
+    eval_n: int
+
+
+async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]) -> list[PrepResult]:
+    """Warm-start and evaluate every model in parallel; ``running`` holds the processes while they run
+    (so a signal handler can stop them)."""
+    cache = cache_root(cfg)
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, m in enumerate(cfg.models):
+        path = run_dir / f".prep-{m.name}.json"
+        plan = PrepPlan(config=cfg, model_index=i, cache_dir=str(cache), result_path=str(path),
+                        progress=sys.stderr.isatty())
+        running.append(actors.spawn(f"prep-{m.name}", "engine.prep.prepare:prepare_model",
+                                    msgspec.msgpack.encode(plan), threads=cfg.pool.threads_per_worker))
+        paths.append(path)
+    print(f"warm start + held-out eval of {len(paths)} models (cached under {cache} after the first run) ...",
+          flush=True)
+    mine = list(running)
+    await asyncio.gather(*(asyncio.to_thread(a.process.join) for a in mine))
+    results = []
+    for m, path, actor in zip(cfg.models, paths, mine):
+        if actor.exitcode != 0 or not path.exists():
+            raise PrepFailed(f"the warm start of {m.name} failed (exit code {actor.exitcode}); see the messages above")
+        results.append(msgspec.json.decode(path.read_bytes(), type=PrepResult))
+        path.unlink()
+    running.clear()
+    return results
+
+
+def prepare_model(payload: bytes) -> int:
+    """Process entry: warm-start one model (cached), evaluate it (cached), write the result."""
+    plan = msgspec.msgpack.decode(payload, type=PrepPlan)
+    cfg = plan.config
+    m = cfg.models[plan.model_index]
+    spec = model_spec(m)
+    tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
+    task = make_task(cfg.task)
+    warm_dir = Path(plan.cache_dir) / "warmstart"
+    ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
+    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress)
+    checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
+    acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint)
+    result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
+                        eval_n=n)
+    _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
+    return 0
+
+
+def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path) -> tuple[float, float, int]:
+    ev = cfg.eval
+    key = hashlib.sha256(msgspec.json.encode(
+        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.train.max_new_tokens}
+    )).hexdigest()[:16]
+    path = checkpoint / f"eval-{key}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return data["accuracy"], data["stderr"], data["n"]
+    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.train.max_new_tokens)
+    _atomic_write(path, json.dumps({"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n}).encode())
+    return result.accuracy, result.stderr, result.n
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,182 @@
+"""Warm start: a short supervised pass on the task's worked solutions, cached on disk.
+
+RL on a randomly initialised model has no reward signal, so each model first imitates
+worked solutions for a bounded number of steps (or seconds), stopping early once it is
+good enough that RL has signal but far enough from perfect that RL has room. The result
+is cached under a key hashing everything that determines it, so it runs once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+import msgspec
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.config.schema import WarmStartConfig
+from engine.prep.evaluation import evaluate
+from engine.train.optim import adamw
+from policies.backend import HFBackend
+from policies.logprobs import token_logprobs
+from policies.models import ModelLoadError, ModelSpec, build_policy, load_policy, pad_token_id, save_policy
+from policies.templates import completion_ids, prompt_ids
+from tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the recipe changes, so old cached models are not reused
+WARM_START_FIRST_ID = 10**9  # prompt ids used here; RL's scheduler counts from 0
+MAX_NEW_TOKENS = 32  # for the early-stopping accuracy check
+
+
+class WarmStartReport(msgspec.Struct):
+    """Saved next to the cached model as warmstart.json."""
+
+    steps: int
+    seconds: float
+    final_loss: float
+    train_accuracy: float | None  # the last early-stopping check, if any ran
+
+
+def cache_key(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig) -> str:
+    """Hash of everything that determines the warm-started weights (not the model's name)."""
+    identity = {
+        "format": CACHE_FORMAT,
+        "spec": msgspec.structs.replace(spec, name=""),
+        "vocab_size": len(tokenizer),
+        "task": task.config,
+        "warm_start": config,
+    }
+    return hashlib.sha256(msgspec.json.encode(identity)).hexdigest()
+
+
+def warm_start_path(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig, cache_dir: str | Path
+) -> Path:
+    """The checkpoint directory warm_start reads or writes for these inputs."""
+    return Path(cache_dir) / f"warmstart-{spec.arch}-{cache_key(spec, tokenizer, task, config)[:20]}"
+
+
+def warm_start(
+    spec: ModelSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    config: WarmStartConfig,
+    cache_dir: str | Path,
+    progress: bool = True,
+) -> PreTrainedModel:
+    """The warm-started policy: loaded from `cache_dir` if trained before, else trained and cached
+    (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
+    path = warm_start_path(spec, tokenizer, task, config, cache_dir)
+    if path.is_dir():
+        try:
+            return load_policy(path)
+        except ModelLoadError as exc:
+            log.warning("retraining: cached warm start is unusable: %s", exc)
+    model = build_policy(spec, tokenizer, seed=config.seed)
+    report = train_on_solutions(model, spec, tokenizer, task, config, progress)
+    save_policy(model, tokenizer, path, extra_files={"warmstart.json": msgspec.json.encode(report)})
+    return model.eval()
+
+
+def train_on_solutions(
+    model: PreTrainedModel,
+    spec: ModelSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    config: WarmStartConfig,
+    progress: bool = True,
+) -> WarmStartReport:
+    """Supervised steps on worked solutions (NLL of the completion tokens, EOS included)."""
+    optimizer = adamw(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    ramp = lambda step: min(1.0, (step + 1) / max(1, config.warmup_steps))  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ramp)
+    started, loss_value, accuracy, step = time.monotonic(), float("nan"), None, 0
+    with _progress_bar(spec.name, config.steps, progress) as (bar, bar_task):
+        while step < config.steps and not _out_of_time(started, config.seconds):
+            batch = _batch(spec, tokenizer, task, WARM_START_FIRST_ID + step * config.batch_size, config.batch_size)
+            model.train()
+            lp = token_logprobs(model, *batch)
+            loss = -lp.sum() / batch[2].sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step, loss_value = step + 1, loss.item()
+            bar.update(bar_task, advance=1, loss=loss_value)
+            if config.stop_accuracy is not None and step % config.check_every == 0:
+                accuracy = _train_accuracy(model, spec, tokenizer, task, config)
+                bar.update(bar_task, accuracy=f"{accuracy:.2f}")
+                if accuracy >= config.stop_accuracy:
+                    break
+    model.eval()
+    return WarmStartReport(steps=step, seconds=time.monotonic() - started, final_loss=loss_value, train_accuracy=accuracy)
+
+
+def _batch(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, first_id: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, target_mask), each (B, L); targets = completion."""
+    rows = []
+    for prompt_id in range(first_id, first_id + size):
+        problem = task.problem(prompt_id)
+        prompt = prompt_ids(tokenizer, spec.arch, problem.question)
+        completion = completion_ids(tokenizer, task.worked_solution(problem))
+        if len(prompt) + len(completion) > spec.max_seq_len:
+            raise ValueError(
+                f"a {task.name} problem needs {len(prompt) + len(completion)} tokens with model "
+                f"{spec.name!r}, more than its max_seq_len={spec.max_seq_len}; raise max_seq_len"
+            )
+        rows.append((prompt, completion))
+    L = max(len(p) + len(c) for p, c in rows)
+    pad = pad_token_id(tokenizer)
+    ids = torch.full((size, L), pad, dtype=torch.long)
+    attention = torch.zeros((size, L), dtype=torch.long)
+    targets = torch.zeros((size, L), dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        attention[i, :n] = 1
+        targets[i, len(prompt) : n] = True
+    return ids, attention, targets
+
+
+def _train_accuracy(
+    model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig
+) -> float:
+    """Greedy accuracy on training problems (the held-out set stays unseen)."""
+    backend = HFBackend(model, tokenizer.eos_token_id, pad_token_id(tokenizer))
+    result = evaluate(
+        backend, tokenizer, spec.arch, task, config.check_problems, max_new_tokens=MAX_NEW_TOKENS, split="train"
+    )
+    return result.accuracy
+
+
+def _out_of_time(started: float, seconds: float | None) -> bool:
+    return seconds is not None and time.monotonic() - started >= seconds
+
+
+class _progress_bar:
+    """A rich progress bar on stderr (a no-op when progress=False)."""
+
+    def __init__(self, name: str, total: int, enabled: bool) -> None:
+        columns = [
+            TextColumn(f"warm start {name}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f} acc {task.fields[accuracy]}"),
+            TimeElapsedColumn(),
+        ]
+        self.progress = Progress(*columns, console=Console(stderr=True), disable=not enabled)
+        self.total = total
+
+    def __enter__(self) -> tuple[Progress, int]:
+        self.progress.__enter__()
+        return self.progress, self.progress.add_task("warm", total=self.total, loss=float("nan"), accuracy="-")
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)

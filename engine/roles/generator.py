@@ -1,0 +1,111 @@
+"""The generator role: pull work units, sample G completions per prompt, publish scored Experience.
+
+Loop invariants:
+- A unit is generated with one weight version from start to end: new weights are loaded
+  from the model's channel only between units, and before the first one (a generator
+  that joins runs the newest published weights, never the warm start's once a step exists).
+- The generator never waits for its learner, except when a unit asks for a version the
+  channel does not hold yet (sync mode), at most ``timeouts.weights_s``.
+- The behaviour log-probs published are those of the distribution sampled from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import torch
+
+from engine.runtime.plane import HandBack, Order, UnitDone, WantWork, WorkUnit
+from engine.train.group import params_digest
+from engine.weights.channel import WeightReader, WeightSyncError
+from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
+from policies.backend import HFBackend
+from policies.models import pad_token_id
+from policies.templates import prompt_ids
+
+
+async def generate_role(worker, order: Order) -> None:
+    model = order.assign.model
+    policy = worker.policy(model)
+    tok = policy.tokenizer
+    worker.reader = reader = WeightReader(worker.plan_channel(model), policy.module)
+    worker.reader_model = model
+    worker.backend = backend = HFBackend(policy.module, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id(tok),
+                                         device=worker.device)
+    policy.version = reader.load()
+    worker.acquired()
+    worker.role_now = ("generator", model)
+    asked, checked, idle, window_start = False, False, 0.0, time.time()
+    try:
+        while not worker.inbox.halt and not worker.inbox.newer_order(order):
+            if not worker.inbox.work:
+                if not asked:
+                    await worker.plane.send(WantWork(worker.id, model))
+                    asked = True
+                t = time.time()
+                worker.check_listener()
+                await worker.inbox.wait()
+                idle += time.time() - t
+                continue
+            unit, asked = worker.inbox.work.popleft(), False
+            started = time.time()  # a unit's budget covers loading the newest weights too
+            policy.version = await _weights_for(worker, reader, unit)
+            exps = await asyncio.to_thread(sample_unit, worker, backend, tok, unit, policy.version, started)
+            await worker.pad_to_budget("gen", model, started, len(exps))
+            for exp in exps:
+                await worker.pub.send(exp)
+            await worker.pub.flush()
+            digest = "" if checked else params_digest(policy.module)
+            checked = True
+            await worker.plane.send(UnitDone(worker.id, model, unit.prompt_ids, len(exps), policy.version,
+                                             time.time() - started, digest))
+            window = time.time() - window_start
+            await worker.pub.send(Stats(
+                schema=SCHEMA_VERSION, worker_id=worker.id, role="generator", model=model, time=time.time(),
+                window_s=window, samples_per_s=len(exps) / window, idle_frac=idle / window,
+                tokens_per_s=sum(len(e.completion_ids) // 4 for e in exps) / window, weight_version=policy.version))
+            idle, window_start = 0.0, time.time()
+    finally:
+        worker.role_now = None
+        while worker.inbox.work:  # a started unit is finished above; unstarted ones go back
+            await worker.plane.send(HandBack(worker.id, worker.inbox.work.popleft()))
+
+
+async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
+    """The newest weights, and at least the version the unit asks for (sync mode), within ``weights_s``."""
+    deadline = time.time() + worker.cfg.timeouts.weights_s
+    while (version := reader.load()) < unit.min_weight_version:
+        if time.time() > deadline:
+            raise WeightSyncError(f"{unit.model}: weight version {unit.min_weight_version} did not arrive within "
+                                  f"timeouts.weights_s={worker.cfg.timeouts.weights_s:g}s (held: {version})")
+        await asyncio.sleep(0.005)  # the learner publishes before it reports the step, so this is rare
+    return version
+
+
+def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int, started: float) -> list[Experience]:
+    """G completions for each prompt of ``unit``, verified and scored, as Experience messages."""
+    cfg, model = worker.cfg, unit.model
+    arch = cfg.model(model).arch
+    prompts = [prompt_ids(tok, arch, p.question) for p in unit.problems]
+    seed = zlib.crc32(f"{cfg.run.seed}/{model}/{worker.id}/{unit.problems[0].prompt_id}".encode())  # stable across processes
+    with torch.no_grad():
+        samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)
+    done = time.time()
+    out = []
+    for problem, ids, group in zip(unit.problems, prompts, samples):
+        for k, sample in enumerate(group):
+            text = tok.decode(sample.completion_ids, skip_special_tokens=True)
+            verdict = worker.task.verify(problem, text)
+            out.append(Experience(
+                schema=SCHEMA_VERSION, run_id=worker.plan.run_id,
+                experience_id=f"{model}/{problem.prompt_id}/{k}/{worker.id}",
+                model=model, task=problem.task, prompt_id=problem.prompt_id, sample_index=k,
+                group_size=unit.group_size, weight_version=version,
+                prompt_ids=pack_ids(ids), completion_ids=pack_ids(sample.completion_ids),
+                behaviour_logprobs=pack_floats(sample.logprobs), completion_text=text,
+                reward=float(verdict.reward), verified=bool(verdict.verified),
+                finish_reason=sample.finish_reason, created_at=started, generated_at=done,
+            ))
+    return out

@@ -1,0 +1,162 @@
+"""One failure policy for every run: what happens when a process dies or a learner group breaks.
+
+- A generator (or idle worker) that dies is written off: its work units go back to the
+  front of the queue, and a fresh worker process takes its device and role
+  (``pool.max_respawns`` per run).
+- A learner rank that dies leaves its group, which re-forms from the survivors (rank 0's
+  state is sent to every rank again); a fresh worker joins the group as a new rank. If the
+  dead rank led the group, its inbox is lost: the prompts the model generated but never
+  trained on are generated again.
+- A model whose last learner rank dies leaves the run: its peers train solo and say so,
+  and the run ends ``FAILED`` (it could not train every model as asked).
+- A group whose collective failed with nobody dead is re-formed as it was, at most
+  ``MAX_BREAKS`` times in a row; then the model leaves the run.
+- The broker's death ends the run at once: nothing can flow without it.
+
+Every case is one line on stderr and one metrics record (``worker_lost``, ``model_left``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from engine.runtime.plane import GroupBroken
+
+DEATH_NOTICE_S = 1.0  # a broken group waits this long for the watch to see a death that explains it
+WATCH_EVERY_S = 0.2  # how often process liveness is polled
+MAX_BREAKS = 3
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on; the message says which part failed."""
+
+
+class FailurePolicy:
+    def __init__(self, coordinator):
+        self.c = coordinator
+        self.left: dict[str, str] = {}  # models that left the run, and why
+        self.lost: list[str] = []  # workers that died
+        self.respawned: list[str] = []
+        self.waiting_role: dict[str, tuple[str, str]] = {}  # replacement worker -> the role it takes on hello
+        self.breaks: dict[str, int] = {}
+        self.messages: list[str] = []  # why the run is FAILED
+        self.fatal: str | None = None
+
+    def fail(self, text: str) -> None:
+        if text not in self.messages:
+            self.messages.append(text)
+
+    async def watching(self, coro) -> None:
+        """Run ``coro`` while watching every process; a fatal death cancels it and raises RunFailed."""
+        work = asyncio.create_task(coro)
+        self.watch = watch = asyncio.create_task(self._watch())  # keeps watching through the halt
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            watch.result()  # a bug in the watch is loud
+            raise RunFailed(self.fatal or "the watch ended")
+        work.result()
+        if self.fatal:
+            raise RunFailed(self.fatal)
+
+    async def _watch(self) -> None:
+        seen: set[str] = set()
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            for name, actor in list(self.c.actors.items()):
+                if actor.alive or name in seen:
+                    continue
+                seen.add(name)
+                if name == "broker":
+                    self.fatal = f"the broker exited with code {actor.exitcode} while the run was going"
+                    print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
+                    self.c.changed.set()
+                    return
+                role = self.c.roster.assignment.get(name, ("idle", ""))
+                if self.c.stopping and (actor.exitcode == 0 or role[0] != "learner" or role[1] in self.c.finals):
+                    continue  # halted as asked
+                await self._worker_died(name, actor.exitcode)
+
+    async def _worker_died(self, wid: str, code: int | None) -> None:
+        c = self.c
+        role, led, messages = c.roster.remove(wid)
+        self.lost.append(wid)
+        units = c.dispatch.lost(wid)
+        what = f"{role[0]} of {role[1]}" if role[1] else role[0]
+        c.metrics.write(event="worker_lost", worker=wid, role=role[0], gen_model=role[1], exitcode=code,
+                        retaken_prompts=[p for u in units for p in u.prompt_ids])
+        if role[0] == "learner" and not c.roster.groups[role[1]].members:
+            print(f"[run] {wid} ({what}) exited with code {code}", file=sys.stderr, flush=True)
+            await self.model_leaves(role[1], f"its last learner rank {wid} exited with code {code}")
+            return
+        if c.stopping:
+            return
+        action = f"{len(units)} unit(s) go back to the queue" if role[0] != "learner" else \
+            f"its group re-forms with {', '.join(c.roster.groups[role[1]].members)}"
+        if led:
+            lost_inbox = sorted(set(c.dispatch.done_prompts[role[1]]) - c.trained[role[1]])
+            c.dispatch.regenerate(role[1], lost_inbox)
+            action += f" and {len(lost_inbox)} prompts it held untrained are generated again"
+        replacement = self._respawn(wid, role)
+        print(f"[run] {wid} ({what}) exited with code {code}: {action}; "
+              + (f"{replacement} takes its place" if replacement else
+                 f"the run goes on with {len(c.roster.assignment)} workers"), file=sys.stderr, flush=True)
+        await c.send_all(messages)
+        c.dispatch_all()
+
+    def _respawn(self, dead: str, role: tuple[str, str]) -> str | None:
+        c = self.c
+        if len(self.respawned) >= c.cfg.pool.max_respawns or role[0] == "idle" or role[1] in self.left:
+            return None
+        new = f"w{len(c.device_of)}"
+        c.spawn_worker(new, c.device_of[dead])
+        self.respawned.append(new)
+        self.waiting_role[new] = role
+        return new
+
+    async def hello(self, wid: str) -> None:
+        """A replacement worker is up: it takes the role of the one it replaces."""
+        role = self.waiting_role.pop(wid, None)
+        if role is not None and role[1] not in self.left and not self.c.stopping:
+            await self.c.apply({wid: role}, f"{wid} replaces a worker that died")
+
+    async def model_leaves(self, model: str, why: str) -> None:
+        c = self.c
+        self.left[model] = why
+        c.dispatch.leave(model)
+        c.allocator.freeze(f"{model} left the run")
+        stayed = [m for m in c.names if m not in self.left]
+        self.fail(f"{model} left the run: {why}")
+        c.metrics.write(event="model_left", gen_model=model, reason=why, training_on=stayed)
+        if not stayed:
+            self.fatal = "every model left the run"
+            c.changed.set()
+            return
+        print(f"[run] {model} leaves the run ({why}); {', '.join(stayed)} "
+              f"{'trains' if len(stayed) == 1 else 'train'} without it", file=sys.stderr, flush=True)
+        idle = {w: ("idle", "") for w, (r, m) in c.roster.assignment.items() if m == model}
+        c.set_gone()
+        if idle and not c.stopping:
+            await c.apply(idle, f"{model} left the run")
+
+    async def broken(self, msg: GroupBroken) -> None:
+        group = self.c.roster.groups.get(msg.model)
+        if group is not None and msg.epoch == group.epoch:
+            asyncio.create_task(self._reform_later(msg.model, msg.epoch, msg.reason))
+
+    async def _reform_later(self, model: str, epoch: int, reason: str) -> None:
+        await asyncio.sleep(DEATH_NOTICE_S)
+        c = self.c
+        if c.roster.groups[model].epoch != epoch or model in self.left or c.stopping:
+            return  # a death re-formed it already
+        self.breaks[model] = self.breaks.get(model, 0) + 1
+        if self.breaks[model] > MAX_BREAKS:
+            await self.model_leaves(model, f"its learner group failed {MAX_BREAKS} times in a row: {reason}")
+            return
+        print(f"[run] {model}'s learner group broke with every rank alive ({reason}); re-forming it",
+              file=sys.stderr, flush=True)
+        await c.send_all(c.roster.reform(model))
+
+    def stepped(self, model: str) -> None:
+        self.breaks.pop(model, None)

@@ -1,0 +1,48 @@
+"""The SEE hub of a run: the broker process plus the coordinator's own publisher and subscriber.
+
+ipc endpoints in a private socket directory, the experience log in the run dir, and a
+lossy subscription for the coordinator (it must never slow the workers down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from engine.runtime import actors
+from exchange.broker import Broker, BrokerConfig
+from exchange.protocol import SCHEMA_VERSION, Control
+from exchange.transport import Publisher, Subscriber
+
+
+def broker_entry(payload: bytes) -> int:
+    """Broker process: stops on ``Control(stop)`` from the coordinator (signals are the coordinator's to handle)."""
+    Broker(msgspec.msgpack.decode(payload, type=BrokerConfig)).run()
+    return 0
+
+
+async def stop_broker(pub: Publisher) -> None:
+    """Ask the broker to stop: it forwards what it holds, closes its log and exits."""
+    await pub.send(Control(schema=SCHEMA_VERSION, command="stop", reason="end of run"))
+
+
+@dataclass
+class Hub:
+    actor: actors.Actor  # the broker process
+    broker_in: str  # publishers connect here
+    broker_out: str  # subscribers connect here
+    pub: Publisher
+    sub: Subscriber
+
+
+async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str) -> Hub:
+    """Spawn the broker and wait until the coordinator's own subscription is live."""
+    broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+    config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"), name="broker")
+    actor = actors.spawn("broker", "engine.runtime.hub:broker_entry", msgspec.msgpack.encode(config))
+    pub = Publisher(broker_in)
+    sub = Subscriber(broker_out, topics, name=name, lossless=False)
+    await sub.ready(timeout=60)
+    return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub)

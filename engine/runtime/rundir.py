@@ -1,0 +1,56 @@
+"""The run directory: created fresh, holding the resolved config next to everything the run writes.
+
+Markers say how a run ended, so a directory never looks finished when it is not:
+``FAILED`` (the run could not finish as asked; the reason inside) and ``INTERRUPTED``
+(stopped by a signal; what was saved inside). A run that finished as asked has neither.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+
+
+def make_run_dir(requested: str | None) -> Path:
+    """``runs/<timestamp>`` by default; an existing non-empty directory is refused, never overwritten."""
+    path = Path(requested) if requested else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"--run-dir {path}: directory exists and is not empty; choose another")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_resolved_config(cfg: msgspec.Struct, run_dir: Path) -> Path:
+    """config.toml: the config as resolved (defaults and --set applied); rerunnable with --config."""
+    out = run_dir / "config.toml"
+    out.write_bytes(msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg))))
+    return out
+
+
+def _drop_none(tree):
+    """TOML has no null: an unset optional field is simply left out (its default is None)."""
+    if isinstance(tree, dict):
+        return {k: _drop_none(v) for k, v in tree.items() if v is not None}
+    if isinstance(tree, list):
+        return [_drop_none(v) for v in tree]
+    return tree
+
+
+def write_json(run_dir: Path, name: str, data) -> None:
+    (run_dir / name).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def mark(run_dir: Path, marker: str, text: str) -> None:
+    """Write the ``FAILED`` or ``INTERRUPTED`` marker (appending: a run may have more than one reason)."""
+    with open(run_dir / marker, "a") as f:
+        f.write(text.rstrip() + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,107 @@
+"""Who holds which role, and each model's learner group: the coordinator's bookkeeping, no I/O.
+
+Every change returns the messages to send (``(worker, message)`` pairs), so the rules are
+in one place:
+- a move that touches a learner group re-forms it (a new epoch, a fresh endpoint); its old
+  members hear ``Regroup``, its new members get the group in their ``Order``;
+- a group's leader (rank 0) never moves while its group exists: a move that names it is
+  given to another member of the same pool, which is the same to the allocator and keeps
+  the leader's inbox in place. A leader that dies is replaced by the next member.
+"""
+
+from __future__ import annotations
+
+from engine.runtime.plane import GroupSpec, Order, Regroup
+from engine.runtime.rundir import free_port
+from exchange.protocol import SCHEMA_VERSION, Assign
+
+RoleOf = tuple[str, str]
+
+
+def _endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+class Roster:
+    def __init__(self, models: list[str]):
+        self.models = models
+        self.assignment: dict[str, RoleOf] = {}
+        self.groups: dict[str, GroupSpec] = {}
+        self.seq = 0  # Assign epochs: a worker ignores an order older than the one it holds
+        self.regroups = 0
+        self.t0 = 0.0  # the RL phase's start (the cost model's clock), sent with every order
+
+    def start(self, initial: dict[str, RoleOf], t0: float) -> list[tuple[str, object]]:
+        self.t0 = t0
+        self.assignment = dict(initial)
+        for m in self.models:
+            self.groups[m] = GroupSpec(m, 1, _endpoint(), self.members(m))
+        return self._orders(initial, "initial split")
+
+    def members(self, model: str) -> list[str]:
+        return sorted(w for w, rm in self.assignment.items() if rm == ("learner", model))
+
+    def leader(self, model: str) -> str | None:
+        group = self.groups.get(model)
+        return group.members[0] if group and group.members else None
+
+    def apply(self, changes: dict[str, RoleOf], reason: str) -> tuple[dict[str, RoleOf], list[tuple[str, object]]]:
+        """Take the moves in ``changes`` (leaders swapped for stand-ins); returns what changed and what to send."""
+        changes = {w: rm for w, rm in self._keep_leaders(changes).items() if self.assignment.get(w) != rm}
+        if not changes:
+            return {}, []
+        old = {m: g.members for m, g in self.groups.items()}
+        self.assignment.update(changes)
+        out: list[tuple[str, object]] = []
+        for m in self.models:
+            new = [w for w in old[m] if self.assignment.get(w) == ("learner", m)]
+            new += sorted(w for w, rm in changes.items() if rm == ("learner", m) and w not in old[m])
+            if new != old[m]:
+                out += self._reform(m, new, tell=old[m])
+        return changes, out + self._orders(changes, reason)
+
+    def remove(self, worker: str) -> tuple[RoleOf, bool, list[tuple[str, object]]]:
+        """A worker died: (its role, whether it led its group, the regroup messages for the survivors)."""
+        role = self.assignment.pop(worker, ("idle", ""))
+        if role[0] != "learner":
+            return role, False, []
+        members = self.groups[role[1]].members
+        led = bool(members) and members[0] == worker
+        survivors = [w for w in members if w != worker]
+        return role, led, self._reform(role[1], survivors, tell=survivors)
+
+    def reform(self, model: str) -> list[tuple[str, object]]:
+        """The same members again, as a new formation (after a collective failed with nobody dead)."""
+        members = self.groups[model].members
+        return self._reform(model, members, tell=members)
+
+    def _reform(self, model: str, members: list[str], tell: list[str]) -> list[tuple[str, object]]:
+        group = GroupSpec(model, self.groups[model].epoch + 1, _endpoint(), members)
+        self.groups[model] = group
+        self.regroups += 1
+        return [(w, Regroup(group)) for w in tell]
+
+    def _keep_leaders(self, changes: dict[str, RoleOf]) -> dict[str, RoleOf]:
+        out = dict(changes)
+        for m, group in self.groups.items():
+            leader = group.members[0] if group.members else None
+            if leader in out and out[leader] != ("learner", m):
+                target = out.pop(leader)
+                stand_ins = [w for w in group.members[1:] if w not in out]
+                if stand_ins:
+                    out[stand_ins[-1]] = target
+        return out
+
+    def _orders(self, changes: dict[str, RoleOf], reason: str) -> list[tuple[str, object]]:
+        self.seq += 1
+        out = []
+        for w, (role, model) in sorted(changes.items()):
+            assign = Assign(schema=SCHEMA_VERSION, epoch=self.seq, worker_id=w, role=role, model=model, reason=reason)
+            out.append((w, Order(assign, self.t0, self.groups[model] if role == "learner" else None)))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r, m in self.assignment.values():
+            counts[f"{r}:{m}"] = counts.get(f"{r}:{m}", 0) + 1
+        return counts

@@ -1,0 +1,111 @@
+"""A learner's inbox: own groups by prompt, peer samples bridged by the THL on arrival."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from engine.train.batching import OwnSample, PeerSample
+from exchange.protocol import Experience
+from policies.templates import prompt_ids
+from tokenbridge import Bridge, BridgeError
+
+
+class Ingest:
+    """Own experience grouped per prompt; peer experience retokenized into our vocabulary.
+
+    Exactly-once: a (model, prompt, sample) seen before is ignored, whichever generator
+    sent it (pool mode regenerates a unit whose generator died after publishing part of
+    it). A peer sample for a prompt this learner already trained on is counted as late
+    and dropped; one the THL cannot bridge is counted as a failure and dropped.
+    """
+
+    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int):
+        self.spec, self.tokenizer, self.task, self.G = spec, tokenizer, task, group_size
+        self.bridges = {name: Bridge(tok, tokenizer) for name, tok in peer_tokenizers.items()}
+        self.own: dict[int, list[OwnSample]] = {}
+        self.complete: collections.deque[int] = collections.deque()
+        self.consumed: set[int] = set()
+        self.peers: dict[int, list[PeerSample]] = {}
+        self.peer_counts: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.seen: set[tuple[str, int, int]] = set()
+        self._prompts: dict[int, np.ndarray] = {}
+        self.failures = 0
+        self.late = 0
+        self.last_popped: list[OwnSample] = []
+
+    def add(self, exp: Experience) -> None:
+        key = (exp.model, exp.prompt_id, exp.sample_index)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        if exp.model == self.spec.name:
+            self._add_own(exp)
+        elif exp.model in self.bridges:
+            self._add_peer(exp)
+
+    def _add_own(self, exp: Experience) -> None:
+        group = self.own.setdefault(exp.prompt_id, [])
+        group.append(OwnSample(
+            prompt_ids=exp.prompt_array, completion_ids=exp.completion_array,
+            behaviour_logprobs=exp.logprob_array, reward=exp.reward, verified=exp.verified,
+            weight_version=exp.weight_version, prompt_id=exp.prompt_id,
+        ))
+        if len(group) == exp.group_size:
+            self.complete.append(exp.prompt_id)
+
+    def _add_peer(self, exp: Experience) -> None:
+        if exp.prompt_id in self.consumed:
+            self.late += 1
+            return
+        self.peer_counts[(exp.model, exp.prompt_id)] += 1
+        try:
+            bridged = self.bridges[exp.model](exp.completion_array, logprobs=exp.logprob_array)
+        except BridgeError:
+            self.failures += 1  # counted, reported in metrics; the sample is not used
+            return
+        self.peers.setdefault(exp.prompt_id, []).append(PeerSample(
+            model=exp.model, prompt_id=exp.prompt_id, prompt_ids=self._prompt(exp.prompt_id),
+            completion_ids=np.asarray(bridged.dst_ids, dtype=np.int64),
+            behaviour_logprobs=np.asarray(bridged.dst_logprobs, dtype=np.float32),
+            align=np.asarray(bridged.dst_group, dtype=np.int64), residual=float(bridged.residual),
+            reward=exp.reward, verified=exp.verified, weight_version=exp.weight_version,
+        ))
+
+    def _prompt(self, prompt_id: int) -> np.ndarray:
+        """Our own template for the prompt: only the completion crosses the bridge."""
+        if prompt_id not in self._prompts:
+            question = self.task.problem(prompt_id).question
+            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, question))
+        return self._prompts[prompt_id]
+
+    def complete_own_groups(self) -> int:
+        return len(self.complete)
+
+    def queued_own(self) -> int:
+        return sum(len(g) for g in self.own.values())
+
+    def next_own_groups(self, n: int) -> list[int]:
+        """The prompt ids of the n oldest complete own groups (not yet removed)."""
+        return list(self.complete)[:n]
+
+    def take(self, prompts: list[int], peer_models: list[str]) -> tuple[list[OwnSample], list[PeerSample], int]:
+        """Remove a step's own and peer samples; from now on late peer samples for them are dropped.
+
+        Returns (own samples, peer samples, number of (peer model, prompt) groups still incomplete).
+        """
+        misses = sum(self.peer_counts[(m, p)] < self.G for m in peer_models for p in prompts)
+        for _ in prompts:
+            self.complete.popleft()
+        self.consumed.update(prompts)
+        own = [s for p in prompts for s in self.own.pop(p)]
+        peers = [s for p in prompts for s in self.peers.pop(p, [])]
+        for p in prompts:
+            for m in self.bridges:
+                self.peer_counts.pop((m, p), None)
+        self.last_popped = own
+        return own, peers, misses
+
+    def peers_complete(self, prompts: list[int], models: list[str]) -> bool:
+        return all(self.peer_counts[(m, p)] >= self.G for m in models for p in prompts)

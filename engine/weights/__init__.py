@@ -1,0 +1,1 @@
+"""The learner -> generator weight channel (``channel``)."""

@@ -1,0 +1,74 @@
+"""A learner's inbox: own groups complete per prompt, peer samples bridged on arrival, incomplete peer
+groups counted as misses, late samples counted and dropped, a regenerated unit taken once.
+Real tokenizers, real THL, real Experiences."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.train.ingest import Ingest
+from exchange.protocol import SCHEMA_VERSION, Experience, pack_floats, pack_ids
+from policies.models import ModelSpec
+from tasks.registry import ArithmeticConfig, make_task
+from tokenbridge import load_tokenizer
+
+G = 2
+
+
+@pytest.fixture(scope="module")
+def ingest(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("tok"))
+    own_tok, peer_tok = load_tokenizer("gpt2", cache), load_tokenizer("mistral", cache)
+    spec = ModelSpec(name="gpt2", arch="gpt2", tokenizer="gpt2")
+    task = make_task(ArithmeticConfig(min_digits=1, max_digits=2, ops=["+"]))
+    return Ingest(spec, own_tok, {"llama": peer_tok}, task, G), own_tok, peer_tok
+
+
+def _exp(model: str, tok, prompt: int, k: int, maker: str = "g", reward: float = 1.0) -> Experience:
+    ids = tok.encode("12", add_special_tokens=False)
+    return Experience(schema=SCHEMA_VERSION, run_id="t", experience_id=f"{model}/{prompt}/{k}/{maker}", model=model,
+                      task="arithmetic", prompt_id=prompt, sample_index=k, group_size=G, weight_version=0,
+                      prompt_ids=pack_ids([1, 2]), completion_ids=pack_ids(ids),
+                      behaviour_logprobs=pack_floats([-1.0] * len(ids)), completion_text="12", reward=reward,
+                      verified=True, finish_reason="stop", created_at=0.0, generated_at=0.0)
+
+
+def test_an_incomplete_peer_group_is_a_miss_and_a_straggler_is_late(ingest):
+    inbox, own_tok, peer_tok = ingest
+    for p in (0, 1):
+        for k in range(G):
+            inbox.add(_exp("gpt2", own_tok, p, k))
+    for k in range(G):  # the peer completed prompt 0 only; one sample of prompt 1 arrived
+        inbox.add(_exp("llama", peer_tok, 0, k))
+    inbox.add(_exp("llama", peer_tok, 1, 0))
+    prompts = inbox.next_own_groups(2)
+    assert prompts == [0, 1]
+    assert inbox.peers_complete([0], ["llama"]) and not inbox.peers_complete(prompts, ["llama"])
+    own, peers, misses = inbox.take(prompts, ["llama"])  # a step goes ahead with what arrived
+    assert len(own) == 2 * G and len(peers) == G + 1
+    assert misses == 1
+    inbox.add(_exp("llama", peer_tok, 1, 1))  # the straggler is counted late, never trained on
+    assert inbox.late == 1
+
+
+def test_complete_peers_do_not_wait(ingest):
+    inbox, own_tok, peer_tok = ingest
+    for k in range(G):
+        inbox.add(_exp("gpt2", own_tok, 5, k))
+        inbox.add(_exp("llama", peer_tok, 5, k))
+    assert inbox.peers_complete([5], ["llama"])
+    assert inbox.take([5], ["llama"])[2] == 0
+
+
+def test_a_regenerated_unit_keeps_the_first_copy_of_each_sample(ingest):
+    """A generator died after publishing sample 0 of prompt 9; another regenerates the whole unit.
+    The group holds G samples, one per index, the first copy of each (own and peer alike)."""
+    inbox, own_tok, peer_tok = ingest
+    inbox.add(_exp("gpt2", own_tok, 9, 0, maker="dead", reward=1.0))
+    inbox.add(_exp("llama", peer_tok, 9, 0, maker="dead", reward=1.0))
+    for k in range(G):
+        inbox.add(_exp("gpt2", own_tok, 9, k, maker="new", reward=0.0))
+        inbox.add(_exp("llama", peer_tok, 9, k, maker="new", reward=0.0))
+    assert list(inbox.complete).count(9) == 1
+    own, peers, misses = inbox.take([9], ["llama"])
+    assert [s.reward for s in own] == [1.0, 0.0] and [p.reward for p in peers] == [1.0, 0.0] and misses == 0

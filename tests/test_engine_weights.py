@@ -1,0 +1,171 @@
+"""The weight channel (engine.weights.channel) between real processes: readers come and go, the writer
+never waits, nobody sees half-written weights, and a dead process holds nothing."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.weights.channel import WeightReader, WeightSyncError, WeightWriter
+
+CTX = mp.get_context("spawn")
+
+
+def _model(fill: float = 0.0, width: int = 8) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Embedding(50, width), torch.nn.Linear(width, 50))
+    model[1].weight = model[0].weight  # tied, like the LMs: carried once
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    return model
+
+
+def _set(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def _reader(directory: str, commands, out) -> None:
+    """Load on every "load" command; report (version, the set of values in the weights)."""
+    model = _model(fill=-1.0)
+    reader = WeightReader(__import__("pathlib").Path(directory), model)
+    while (cmd := commands.get(timeout=60)) != "stop":
+        if cmd == "load":
+            version = reader.load()
+            values = {float(v) for p in model.parameters() for v in p.detach().unique()}
+            out.put((os.getpid(), version, sorted(values)))
+    reader.close()
+
+
+def _start_reader(directory):
+    commands, out = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=_reader, args=(str(directory), commands, out))
+    proc.start()
+    return proc, commands, out
+
+
+def _load(commands, out) -> tuple[int, list[float]]:
+    commands.put("load")
+    try:
+        _, version, values = out.get(timeout=60)
+    except queue.Empty:
+        pytest.fail("the reader process did not answer within 60 s")
+    return version, values
+
+
+def test_readers_that_join_late_get_the_newest_exact_weights(tmp_path):
+    directory = tmp_path / "gpt2"
+    learner = _model(0.0)
+    writer = WeightWriter(directory, learner)
+    early = _start_reader(directory)
+    try:
+        assert _load(*early[1:]) == (0, [-1.0])  # nothing published: the reader keeps what it has
+        seen = []
+        for v in range(1, 6):
+            _set(learner, float(v))
+            writer.publish(v)
+            seen.append(_load(*early[1:]))
+        assert seen == [(v, [float(v)]) for v in range(1, 6)]  # every version whole, in order
+        late = _start_reader(directory)
+        try:
+            assert _load(*late[1:]) == (5, [5.0])  # a reader that joins gets the newest before anything else
+            _set(learner, 6.0)
+            writer.publish(6)
+            assert _load(*late[1:]) == (6, [6.0]) and _load(*early[1:]) == (6, [6.0])
+        finally:
+            late[1].put("stop")
+            late[0].join(30)
+    finally:
+        early[1].put("stop")
+        early[0].join(30)
+        writer.close()
+
+
+def test_the_writer_never_touches_a_slot_a_reader_holds_and_a_dead_reader_holds_nothing(tmp_path):
+    directory = tmp_path / "llama"
+    learner = _model(1.0)
+    writer = WeightWriter(directory, learner)
+    writer.publish(1)
+    holder = _start_reader(directory)
+    try:
+        assert _load(*holder[1:]) == (1, [1.0])  # it now views version 1's slot, zero copy
+        for v in range(2, 12):  # many versions while it holds on: its weights must not change under it
+            _set(learner, float(v))
+            writer.publish(v)
+        slots = sorted(p.name for p in directory.glob("slot-*"))
+        assert len(slots) <= 3, slots  # a held slot, the head's, one to pack into: the writer cycles
+        os.kill(holder[0].pid, signal.SIGKILL)
+        holder[0].join(30)
+        for v in range(12, 20):  # the dead reader's lock went with it: its slot is reused, nothing grows
+            _set(learner, float(v))
+            writer.publish(v)
+        assert len(list(directory.glob("slot-*"))) <= 3
+        fresh = _start_reader(directory)
+        try:
+            assert _load(*fresh[1:]) == (19, [19.0])
+        finally:
+            fresh[1].put("stop")
+            fresh[0].join(30)
+    finally:
+        if holder[0].is_alive():
+            holder[0].kill()
+        writer.close()
+
+
+def test_a_held_reader_keeps_its_version_while_versions_pass(tmp_path):
+    learner, generator = _model(1.0), _model(-1.0)
+    writer, reader = WeightWriter(tmp_path, learner), WeightReader(tmp_path, generator)
+    writer.publish(1)
+    assert reader.load() == 1
+    for v in range(2, 8):
+        _set(learner, float(v))
+        writer.publish(v)
+        assert {float(x) for p in generator.parameters() for x in p.detach().unique()} == {1.0}
+    assert reader.load() == 7 and all(torch.equal(a, b) for a, b in zip(generator.parameters(), learner.parameters()))
+    reader.close(detach=True)  # private copies: a later learner role may train on them
+    _set(learner, 9.0)
+    writer.publish(9)
+    assert all(float(p.detach().unique()) == 7.0 for p in generator.parameters())
+    writer.close()
+
+
+def test_a_slot_torn_by_a_dead_writer_is_never_loaded(tmp_path):
+    learner, generator = _model(1.0), _model(-1.0)
+    writer, reader = WeightWriter(tmp_path, learner), WeightReader(tmp_path, generator)
+    writer.publish(1)
+    _set(learner, 2.0)
+    writer.publish(2)
+    _, head_slot = writer.slots.head()
+    torn = next(s for s in writer.slots.existing() if s != head_slot)
+    writer.slots.set_stamp(torn, -1)  # a writer that died while packing `torn` (head still names the good slot)
+    assert reader.load() == 2 and all(float(p.detach().unique()) == 2.0 for p in generator.parameters())
+    os.replace(tmp_path / "head", tmp_path / "head.bak")
+    os.symlink(f"3:{torn}", tmp_path / "head")  # a head that names a torn slot (never written so): an error, no hang
+    with pytest.raises(WeightSyncError, match="never holds"):
+        reader.load()
+    writer.close()
+
+
+def test_the_copy_path_for_weights_on_a_device_loads_exact_weights(tmp_path):
+    learner, generator = _model(3.0), _model(-1.0)
+    writer, reader = WeightWriter(tmp_path, learner), WeightReader(tmp_path, generator)
+    reader.zero_copy = False  # what a GPU reader does: copy, and release the slot at once
+    writer.publish(4)
+    assert reader.load() == 4 and all(float(p.detach().unique()) == 3.0 for p in generator.parameters())
+    assert all(p.untyped_storage().nbytes() < 50 * 8 * 4 * 2 for p in generator.parameters())  # not slot views
+    writer.close()
+
+
+def test_a_reader_of_another_model_shape_is_told_why(tmp_path):
+    writer = WeightWriter(tmp_path, _model(1.0, width=8))
+    writer.publish(1)
+    reader = WeightReader(tmp_path, _model(0.0, width=16))
+    with pytest.raises(WeightSyncError, match="different model specs"):
+        reader.load()
+    writer.close()
