@@ -34,39 +34,20 @@ from engine.config import RunConfig
 from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
 from engine.roles.worker import WorkerPlan
 from engine.runtime import actors
-from engine.runtime.display import LiveDisplay, print_summary
+from engine.outcome import RunResult, report, useful_prompts, write_result
+from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub, stop_broker
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, Halt, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
-from engine.runtime.rundir import mark, write_json
+from engine.runtime.rundir import write_json
 from engine.schedule.allocator import Script, make_allocator
-from engine.schedule.audit import Audit, audit_log
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.weights.channel import channel_root
 from exchange.protocol import Stats
 from tasks.registry import make_task
-
-
-class RunResult(msgspec.Struct):
-    duration_s: float  # the RL phase, from the first dispatch to the stop
-    useful_prompts: int  # prompts every model still in the run generated AND trained on
-    useful_samples: int
-    useful_samples_per_s: float
-    steps: dict[str, int]
-    moves: int  # acted allocator decisions and scripted moves
-    regroups: int
-    handbacks: int
-    lost_workers: list[str]
-    respawned: list[str]
-    left_the_run: dict[str, str]  # model -> why
-    gen_busy_s: dict[str, float]  # per model: worker-seconds spent generating
-    train_busy_s: dict[str, float]  # per model: seconds its leader spent in optimizer steps
-    formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
-    timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
-    audit: Audit
 
 
 class Coordinator:
@@ -114,15 +95,15 @@ class Coordinator:
                 await self._start()
                 await self.failures.watching(self._begin_and_drive())
                 self.t_stop = time.time()
-                self.useful = self._useful()
+                self.useful = useful_prompts(self)
                 await self._halt()
-                result = self._result()
+                result = write_result(self)
         except (RunFailed, PrepFailed) as exc:
             if self.interrupted is None:
                 self.failures.fail(str(exc))
         finally:
             await self._shutdown()
-        return self._report(result)
+        return report(self, result)
 
     def _on_signal(self, sig: int) -> None:
         if self.interrupted is not None:  # a second Ctrl-C: stop waiting for checkpoints and evaluations
@@ -140,7 +121,8 @@ class Coordinator:
         self.changed.set()
 
     async def _start(self) -> None:
-        hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator")
+        hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
+                              self.cfg.timeouts.worker_start_s)
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
         write_json(self.run_dir, "endpoints.json", {"publish": self.broker_in, "subscribe": self.broker_out})
@@ -233,6 +215,7 @@ class Coordinator:
         self._log_counts()
 
     async def apply(self, changes: dict[str, tuple[str, str]], reason: str) -> None:
+        changes = {w: rm for w, rm in changes.items() if w in self.actors and self.actors[w].alive}  # not the dead
         applied, messages = self.roster.apply(changes, reason)
         if not applied:
             return
@@ -374,14 +357,14 @@ class Coordinator:
         for task in [*getattr(self, "tasks", []), getattr(self.failures, "watch", None)]:
             if task is not None:
                 task.cancel()
-        procs = list(self.actors.values())
-        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], 10.0)
+        procs, grace = list(self.actors.values()), self.cfg.timeouts.stop_s
+        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], grace)
         if "broker" in self.actors and self.actors["broker"].alive:
             try:
-                await asyncio.wait_for(stop_broker(self.pub), 5.0)
+                await asyncio.wait_for(stop_broker(self.pub), grace)
             except (TimeoutError, OSError):
                 pass  # stop_all below ends it
-        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], 10.0)
+        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], grace)
         await asyncio.to_thread(actors.stop_all, getattr(self, "prep_actors", []), 0.0)
         for closer in ("sub", "pub", "plane", "metrics"):
             if hasattr(self, closer):
@@ -389,53 +372,6 @@ class Coordinator:
         if hasattr(self, "weights_root"):
             shutil.rmtree(self.weights_root, ignore_errors=True)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
-
-    def _useful(self) -> set[int]:
-        """Prompts every model still in the run has trained on (those after the stop do not count)."""
-        stayed = [self.trained[m] for m in self.names if m not in self.failures.left]
-        return set.intersection(*stayed) if stayed else set()
-
-    def _result(self) -> RunResult:
-        stayed = [m for m in self.names if m not in self.failures.left]
-        audit = audit_log(self.run_dir / "experience_log", stayed, self.cfg.train.group_size, self.trained,
-                          {m: f.queued_prompt_ids for m, f in self.finals.items()}, self.dispatch.done_prompts,
-                          self.dispatch.retaken)
-        duration = max(self.t_stop - self.t_start, 1e-9)
-        samples = len(self.useful) * self.cfg.train.group_size * len(stayed)
-        result = RunResult(duration_s=round(duration, 2), useful_prompts=len(self.useful), useful_samples=samples,
-                           useful_samples_per_s=samples / duration, steps=dict(self.dispatch.steps), moves=self.moves,
-                           regroups=self.roster.regroups, handbacks=self.dispatch.handbacks,
-                           lost_workers=self.failures.lost, respawned=self.failures.respawned,
-                           left_the_run=dict(self.failures.left), gen_busy_s=self.busy["gen"],
-                           train_busy_s=self.busy["train"],
-                           formations=sorted(self.formations.values(), key=lambda r: (r["model"], r["epoch"])),
-                           timeline=self.timeline, audit=audit)
-        (self.run_dir / "run_result.json").write_bytes(msgspec.json.encode(result))
-        if not audit.ok:
-            self.failures.fail(f"the audit of the experience log found {audit.lost} lost and {audit.duplicates} "
-                               "duplicated experiences")
-        return result
-
-    def _report(self, result: RunResult | None) -> int:
-        """Summary, markers, exit code: 1 if the run failed, 128 + signal if a signal stopped it, else 0."""
-        if self.preps and (self.finals or result is not None):
-            print_summary(self.cfg, self.preps, self.finals)
-        if result is not None:
-            a = result.audit
-            self.say(f"[run] {result.useful_prompts} prompts trained by every model in {result.duration_s:.0f}s; "
-                     f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
-                     f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
-        if self.interrupted is not None:
-            name = signal.Signals(self.interrupted).name
-            saved = ", ".join(f"{m} at step {f.step}" for m, f in self.finals.items()) or "none (nothing trained)"
-            mark(self.run_dir, "INTERRUPTED", f"stopped by {name} during {self.interrupted_in}; "
-                                              f"checkpoints and final evaluations: {saved}")
-        if self.failures.messages:
-            text = "; ".join(self.failures.messages)
-            mark(self.run_dir, "FAILED", text)
-            print(f"error: {text}", file=sys.stderr, flush=True)
-            return 1
-        return 128 + self.interrupted if self.interrupted is not None else 0
 
     def _counts_text(self) -> str:
         return " ".join(f"{k}={v}" for k, v in sorted(self.roster.counts().items()))

@@ -15,6 +15,7 @@ Layout rules (the engine builds these, objectives only read them):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,15 @@ class ObjectiveBatch:
             ref_logp=ref_logp,
             **cls.empty_peers(device=logp.device, dtype=logp.dtype),
         )
+
+    def to(self, device: torch.device | str) -> ObjectiveBatch:
+        """This batch with every tensor field on ``device``; None and int fields as they are.
+
+        ``Tensor.to`` is differentiable and returns the tensor itself when it is already on
+        ``device``, so log-probs keep their graph and a CPU batch moved to CPU is unchanged.
+        """
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in values.items() if isinstance(v, Tensor)})
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose shape or range breaks the layout rules."""

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from tasks.base import Problem, Verdict, is_held_out
+from tasks.base import Problem, Verdict, is_held_out, register_task
 
 Op = Literal["+", "-", "*"]
 _INTEGER = re.compile(r"-?\d+")
@@ -39,6 +39,7 @@ class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbi
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+@register_task("arithmetic", ArithmeticConfig)
 class ArithmeticTask:
     """Problems "a op b"; the completion is the exact integer result."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import Callable, Protocol, TypeVar
 
 import msgspec
 
@@ -58,3 +58,28 @@ def stable_fraction(text: str) -> float:
 def is_held_out(question: str, eval_fraction: float) -> bool:
     """Whether `question` belongs to the held-out split (the same answer everywhere)."""
     return stable_fraction(question) < eval_fraction
+
+
+# --- the registry: a config's ``kind`` names the task class that reads it ---
+
+_REGISTRY: dict[str, tuple[type[msgspec.Struct], Callable[[msgspec.Struct], Task]]] = {}
+T = TypeVar("T")
+
+
+def register_task(name: str, config_type: type[msgspec.Struct]) -> Callable[[T], T]:
+    """Class decorator: the task made from ``config_type`` (tagged ``name``); a duplicate name is refused."""
+    tag = getattr(getattr(config_type, "__struct_config__", None), "tag", None)
+    if tag != name:
+        raise ValueError(f"task {name!r}: config type {config_type.__name__} must be tagged {name!r}, found {tag!r}")
+
+    def decorate(cls: T) -> T:
+        if name in _REGISTRY:
+            raise ValueError(f"task {name!r} is already registered (by {_REGISTRY[name][1].__qualname__})")
+        _REGISTRY[name] = (config_type, cls)
+        return cls
+
+    return decorate
+
+
+def registered_tasks() -> dict[str, tuple[type[msgspec.Struct], Callable[[msgspec.Struct], Task]]]:
+    return dict(_REGISTRY)

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-from tasks.base import Problem, Verdict, is_held_out
+from tasks.base import Problem, Verdict, is_held_out, register_task
 
 _QUESTION = re.compile(r"target (\d+) numbers (\d+(?: \d+)*)")
 _TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
@@ -33,6 +33,7 @@ class CountdownConfig(msgspec.Struct, tag="countdown", tag_field="kind", forbid_
     seed: int = 0
 
 
+@register_task("countdown", CountdownConfig)
 class CountdownTask:
     """Question "target T numbers a b c"; answer: an expression equal to T."""
 

@@ -17,7 +17,7 @@ from typing import Annotated
 import math_verify
 import msgspec
 
-from tasks.base import Problem, Verdict, is_held_out
+from tasks.base import Problem, Verdict, is_held_out, register_task
 
 PARSE_TIMEOUT_S = 5  # math-verify's own (signal-based) guard; only usable in the main thread
 
@@ -40,6 +40,7 @@ class _Line(msgspec.Struct):
     answer: str | int | float  # datasets often store numeric answers as numbers
 
 
+@register_task("jsonl", JsonlConfig)
 class JsonlTask:
     """Training problems in a seeded order; problem(id) cycles through them."""
 

@@ -23,7 +23,8 @@ from engine.config import ConfigError, load_run_config
 from engine.roles.worker import worker_device
 from engine.runtime.rundir import free_port
 from engine.train import group as dp
-from engine.train.batching import OwnSample, PeerSample, batch_to, build_batch, completion_logprobs, model_device, pack
+from engine.train.batching import OwnSample, PeerSample, build_batch
+from policies.logprobs import completion_logprobs, model_device, pack
 from engine.train.optim import adamw
 from policies.logprobs import token_logprobs
 
@@ -79,18 +80,18 @@ def test_batch_to_keeps_values_and_moves_every_tensor_field(tiny):
     assert len(tensors) == 16 and fields["prox_logp"] is None and fields["ref_logp"] is None
 
     assert model_device(model) == torch.device("cpu")
-    same = batch_to(batch, model_device(model))  # cpu -> cpu: the very same tensors, graph included
+    same = batch.to(model_device(model))  # cpu -> cpu: the very same tensors, graph included
     assert all(getattr(same, k) is fields[k] for k in tensors)
     assert same.num_groups == 2 and same.prox_logp is None and same.ref_logp is None
 
-    moved = batch_to(batch, "meta")  # a real device of torch's: every tensor field must get there
+    moved = batch.to("meta")  # a real device of torch's: every tensor field must get there
     assert {k for k in tensors if getattr(moved, k).device.type == "meta"} == tensors
     assert all(getattr(moved, k).shape == fields[k].shape and getattr(moved, k).dtype == fields[k].dtype
                for k in tensors)
     assert moved.logp.requires_grad and moved.num_groups == 2 and moved.prox_logp is None
     assert all(v.device.type == "cpu" for k, v in fields.items() if k in tensors)  # the original is untouched
     full = dataclasses.replace(batch, prox_logp=batch.logp.detach(), ref_logp=batch.logp.detach() - 1.0)
-    moved = batch_to(full, "meta")  # the optional fields too, when they are set: all 18
+    moved = full.to("meta")  # the optional fields too, when they are set: all 18
     assert sum(getattr(moved, f.name).device.type == "meta" for f in dataclasses.fields(moved)
                if f.name != "num_groups") == 18
 

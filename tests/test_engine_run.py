@@ -70,7 +70,7 @@ def test_experience_log_holds_every_experience_exactly_once(smoke_run):
 
 
 def _mean_logprob(checkpoint: str, experiences) -> float:
-    from engine.train.batching import completion_logprobs, pack
+    from policies.logprobs import completion_logprobs, pack
     from policies.models import load_policy
 
     model = load_policy(checkpoint).eval()

@@ -141,3 +141,23 @@ def test_registry_makes_each_kind_and_refuses_unknown_keys() -> None:
         msgspec.convert({"kind": "countdown", "n_number": 4}, TaskConfig)
     with pytest.raises(msgspec.ValidationError, match="kind"):
         msgspec.convert({"kind": "sudoku"}, TaskConfig)
+
+
+def test_the_task_registry_makes_each_kind_and_refuses_what_it_does_not_know():
+    import msgspec
+
+    from tasks.base import register_task
+    from tasks.registry import CountdownConfig, make_task, task_names
+
+    assert task_names() == ["arithmetic", "countdown", "jsonl"]
+    assert make_task(CountdownConfig()).name == "countdown"
+
+    class OtherConfig(msgspec.Struct, tag="other", tag_field="kind"):
+        pass
+
+    with pytest.raises(TypeError, match="registered tasks: arithmetic, countdown, jsonl"):
+        make_task(OtherConfig())
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("countdown", CountdownConfig)(object)
+    with pytest.raises(ValueError, match="must be tagged 'mine'"):
+        register_task("mine", CountdownConfig)

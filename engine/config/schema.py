@@ -112,6 +112,7 @@ class TimeoutSection(_Section):
     weights_s: PosFloat = 60.0  # a generator waits for the weight version a unit asks for
     halt_s: PosFloat = 60.0  # generators finish their units after the stop
     final_s: PosFloat = 600.0  # learners checkpoint and run the final evaluation after the stop
+    stop_s: PosFloat = 10.0  # a process told to stop exits within this, else it is killed
 
 
 class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -37,12 +37,12 @@ class Hub:
     sub: Subscriber
 
 
-async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str) -> Hub:
+async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float) -> Hub:
     """Spawn the broker and wait until the coordinator's own subscription is live."""
     broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
     config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"), name="broker")
     actor = actors.spawn("broker", "engine.runtime.hub:broker_entry", msgspec.msgpack.encode(config))
     pub = Publisher(broker_in)
     sub = Subscriber(broker_out, topics, name=name, lossless=False)
-    await sub.ready(timeout=60)
+    await sub.ready(timeout=timeout_s)
     return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub)

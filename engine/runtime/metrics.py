@@ -1,4 +1,4 @@
-"""metrics.jsonl: one JSON object a line, appended by every learner and the supervisor.
+"""metrics.jsonl: one JSON object a line, appended by every learner, worker and the coordinator.
 
 Each line is written with a single ``write`` on a file opened in append mode, so
 lines from several processes never interleave (they are far below PIPE_BUF).
@@ -32,24 +32,3 @@ class MetricsWriter:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-class MetricsTail:
-    """Reads new complete lines of a metrics.jsonl as they appear (for the live display)."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._offset = 0
-        self._partial = b""
-
-    def read_new(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]

@@ -1,27 +1,9 @@
 """MWRA controller: decide which worker does what, from the Stats stream.
 
-The policy is a pure function, ``decide(view, state, config) -> Decision``: no clock,
-no I/O, no randomness. The engine (and benchmarks/mwra_simcore.py, which drives this
-same code at cluster scale) builds a ``ClusterView`` from the Stats that arrived since
-its previous call with ``view_from_stats``, calls ``decide``, sends ``Decision.to_assign_messages``
-and logs ``Decision.to_record()`` to metrics.jsonl, then keeps ``decision.new_state``
-for the next call.
-
-How it decides:
-
-1. Capacity. For every pool (role, model) it estimates what ONE worker delivers when
-   busy: samples done / busy seconds over the pool's workers (busy = window minus idle).
-   Observed rates alone would be useless: a pool throttled by a slower peer looks slow.
-   Estimates are smoothed with an exponential moving average (half-life in config).
-2. Target. Capacities / group size give prompt groups per second per worker. The
-   target counts maximise the slowest pool's rate (``engine.allocation``), because a
-   prompt is useful only once every model generated and trained on it. A learner
-   queue holding more than ``flood_queue_s`` of work adds a drain demand to its pool.
-3. Hysteresis. It acts only every ``decision_interval_s``, not within ``cooldown_s`` of
-   its last move, only if the predicted slowest-pool rate improves by at least
-   ``improvement_threshold``, moves at most ``max_move_frac`` of the workers at once,
-   and never moves a worker that moved less than ``min_dwell_s`` ago. Per-model
-   minimums and maximums are restored whatever the threshold says.
+The policy is one pure function, ``decide(view, state, config) -> Decision``: no clock, no
+I/O, no randomness, so the engine (``engine.schedule.allocator``) and the cluster simulator
+(benchmarks/mwra_simcore.py) drive the same code. How it decides (capacity from busy time,
+max-min target split, hysteresis) is written out in engine/MWRA.md.
 """
 
 from __future__ import annotations

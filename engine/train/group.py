@@ -213,66 +213,41 @@ def params_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-# --- the step payload: what the leader broadcasts (msgpack Structs, arrays as bytes) ---
-
-
-class WireOwn(msgspec.Struct, array_like=True):
-    prompt_id: int
-    prompt_ids: bytes  # int64
-    completion_ids: bytes  # int64
-    behaviour_logprobs: bytes  # float32
-    reward: float
-    verified: bool
-    weight_version: int
-
-
-class WirePeer(msgspec.Struct, array_like=True):
-    model: str
-    prompt_id: int
-    prompt_ids: bytes
-    completion_ids: bytes
-    behaviour_logprobs: bytes
-    align: bytes  # int64
-    residual: float
-    reward: float
-    verified: bool
-    weight_version: int
+# --- the step payload: what the leader broadcasts (msgpack; arrays as dtype + bytes, never pickle) ---
 
 
 class StepData(msgspec.Struct, array_like=True):
     """One optimizer step's samples; rank r trains on ``prompts[r::world]``."""
 
     prompts: list[int]
-    own: list[WireOwn]
-    peers: list[WirePeer]
+    own: list[OwnSample]
+    peers: list[PeerSample]
     peer_version: dict[str, int]
     peer_misses: int
     solo: bool = False
 
 
-def _b(a: np.ndarray, dtype) -> bytes:
-    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+def _enc_array(obj):
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.str, np.ascontiguousarray(obj).tobytes())
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_array(kind, obj):
+    if kind is np.ndarray:
+        return np.frombuffer(obj[1], dtype=np.dtype(obj[0]))
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_array)
+_DECODER = msgspec.msgpack.Decoder(StepData, dec_hook=_dec_array)
 
 
 def encode_step(prompts: list[int], own: list[OwnSample], peers: list[PeerSample], peer_version: dict[str, int],
                 misses: int, solo: bool) -> bytes:
-    w_own = [WireOwn(s.prompt_id, _b(s.prompt_ids, np.int64), _b(s.completion_ids, np.int64),
-                     _b(s.behaviour_logprobs, np.float32), s.reward, s.verified, s.weight_version) for s in own]
-    w_peer = [WirePeer(p.model, p.prompt_id, _b(p.prompt_ids, np.int64), _b(p.completion_ids, np.int64),
-                       _b(p.behaviour_logprobs, np.float32), _b(p.align, np.int64), p.residual, p.reward,
-                       p.verified, p.weight_version) for p in peers]
-    return msgspec.msgpack.encode(StepData(prompts, w_own, w_peer, dict(peer_version), misses, solo))
+    return _ENCODER.encode(StepData(prompts, own, peers, dict(peer_version), misses, solo))
 
 
 def decode_step(raw: bytes) -> tuple[StepData, list[OwnSample], list[PeerSample]]:
-    data = msgspec.msgpack.decode(raw, type=StepData)
-    i64, f32 = np.int64, np.float32
-    own = [OwnSample(prompt_ids=np.frombuffer(s.prompt_ids, i64), completion_ids=np.frombuffer(s.completion_ids, i64),
-                     behaviour_logprobs=np.frombuffer(s.behaviour_logprobs, f32), reward=s.reward,
-                     verified=s.verified, weight_version=s.weight_version, prompt_id=s.prompt_id) for s in data.own]
-    peers = [PeerSample(model=p.model, prompt_id=p.prompt_id, prompt_ids=np.frombuffer(p.prompt_ids, i64),
-                        completion_ids=np.frombuffer(p.completion_ids, i64),
-                        behaviour_logprobs=np.frombuffer(p.behaviour_logprobs, f32),
-                        align=np.frombuffer(p.align, i64), residual=p.residual, reward=p.reward,
-                        verified=p.verified, weight_version=p.weight_version) for p in data.peers]
-    return data, own, peers
+    data = _DECODER.decode(raw)
+    return data, data.own, data.peers

@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine.train import group as dp
-from engine.train.batching import PeerSample, batch_to, build_batch, model_device
+from engine.train.batching import PeerSample, build_batch
 from policies.objectives import PeerNeed, compute_loss, select_peers
 
 
@@ -39,7 +39,7 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     state.optimizer.zero_grad(set_to_none=True)
     if share:
         batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version)
-        batch = batch_to(batch, model_device(state.model))  # built on CPU; the loss runs where the weights are
+        batch = batch.to(next(state.model.parameters()).device)  # built on CPU; the loss runs where the weights are
         loss, stats = compute_loss(batch, objective, state.rng)
         (loss * len(share) / len(data.prompts)).backward()
     if world > 1:

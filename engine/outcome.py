@@ -1,0 +1,84 @@
+"""How a run ended: its result (``run_result.json``, with the audit of the experience log), the summary
+printed for the user, the ``FAILED``/``INTERRUPTED`` markers, and the exit code."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import msgspec
+
+from engine.runtime.display import print_summary
+from engine.runtime.rundir import mark
+from engine.schedule.audit import Audit, audit_log
+
+
+class RunResult(msgspec.Struct):
+    duration_s: float  # the RL phase, from the first dispatch to the stop
+    useful_prompts: int  # prompts every model still in the run generated AND trained on
+    useful_samples: int
+    useful_samples_per_s: float
+    steps: dict[str, int]
+    moves: int  # acted allocator decisions and scripted moves
+    regroups: int
+    handbacks: int
+    lost_workers: list[str]
+    respawned: list[str]
+    left_the_run: dict[str, str]  # model -> why
+    gen_busy_s: dict[str, float]  # per model: worker-seconds spent generating
+    train_busy_s: dict[str, float]  # per model: seconds its leader spent in optimizer steps
+    formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
+    timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
+    audit: Audit
+
+
+def useful_prompts(c) -> set[int]:
+    """Prompts every model still in the run has trained on (those after the stop do not count)."""
+    stayed = [c.trained[m] for m in c.names if m not in c.failures.left]
+    return set.intersection(*stayed) if stayed else set()
+
+
+def write_result(c) -> RunResult:
+    """run_result.json, with the audit of the experience log; a failed audit fails the run."""
+    stayed = [m for m in c.names if m not in c.failures.left]
+    audit = audit_log(c.run_dir / "experience_log", stayed, c.cfg.train.group_size, c.trained,
+                      {m: f.queued_prompt_ids for m, f in c.finals.items()}, c.dispatch.done_prompts,
+                      c.dispatch.retaken)
+    duration = max(c.t_stop - c.t_start, 1e-9)
+    samples = len(c.useful) * c.cfg.train.group_size * len(stayed)
+    result = RunResult(duration_s=round(duration, 2), useful_prompts=len(c.useful), useful_samples=samples,
+                       useful_samples_per_s=samples / duration, steps=dict(c.dispatch.steps), moves=c.moves,
+                       regroups=c.roster.regroups, handbacks=c.dispatch.handbacks,
+                       lost_workers=c.failures.lost, respawned=c.failures.respawned,
+                       left_the_run=dict(c.failures.left), gen_busy_s=c.busy["gen"],
+                       train_busy_s=c.busy["train"],
+                       formations=sorted(c.formations.values(), key=lambda r: (r["model"], r["epoch"])),
+                       timeline=c.timeline, audit=audit)
+    (c.run_dir / "run_result.json").write_bytes(msgspec.json.encode(result))
+    if not audit.ok:
+        c.failures.fail(f"the audit of the experience log found {audit.lost} lost and {audit.duplicates} "
+                        "duplicated experiences")
+    return result
+
+
+def report(c, result: RunResult | None) -> int:
+    """Summary, markers, exit code: 1 if the run failed, 128 + signal if a signal stopped it, else 0."""
+    if c.preps and (c.finals or result is not None):
+        print_summary(c.cfg, c.preps, c.finals)
+    if result is not None:
+        a = result.audit
+        c.say(f"[run] {result.useful_prompts} prompts trained by every model in {result.duration_s:.0f}s; "
+              f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
+              f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
+    if c.interrupted is not None:
+        name = signal.Signals(c.interrupted).name
+        saved = ", ".join(f"{m} at step {f.step}" for m, f in c.finals.items()) or "none (nothing trained)"
+        mark(c.run_dir, "INTERRUPTED", f"stopped by {name} during {c.interrupted_in}; "
+                                       f"checkpoints and final evaluations: {saved}")
+    if c.failures.messages:
+        text = "; ".join(c.failures.messages)
+        mark(c.run_dir, "FAILED", text)
+        print(f"error: {text}", file=sys.stderr, flush=True)
+        return 1
+    return 128 + c.interrupted if c.interrupted is not None else 0
+
