@@ -40,7 +40,8 @@ from tokenbridge.align import Groups
 from tokenbridge.checks import checked_ids, checked_logprobs, checked_mask, nonfinite_logprobs
 from tokenbridge.errors import BridgeError, UndecodableTextError, UnsupportedTokenizerError
 from tokenbridge.profile import profile_of
-from tokenbridge.retokenize import Aligned, identity, private_encoder, retokenize_many
+from tokenbridge.encoders import encoders_for
+from tokenbridge.retokenize import Aligned, identity, retokenize_many
 
 Checked = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # ids (n,) int64, log-probs (n,) float64, mask (n,) bool
 
@@ -101,7 +102,7 @@ class Bridge:
         self.cache_size = cache_size
         self.stats = BridgeStats()
         self._cache: OrderedDict[bytes, Aligned] = OrderedDict()
-        self._encoder = None if self.identity else private_encoder(dst_tokenizer.backend_tokenizer, self.dst)
+        self._encoders = None if self.identity else encoders_for(dst_tokenizer.backend_tokenizer, self.dst)
 
     def __call__(self, src_ids, logprobs=None, mask=None) -> BridgedCompletion:
         """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools (or 0/1) or None.
@@ -205,7 +206,7 @@ class Bridge:
         if self.identity:
             results: list[Aligned | BridgeError] = [identity(self.src, ids) for ids in batch]
         else:
-            results = retokenize_many(self.src, self.dst, self._encoder, batch, self.dst_eos_id)
+            results = retokenize_many(self.src, self.dst, self._encoders, batch, self.dst_eos_id)
         for ids, result in zip(batch, results):
             if not isinstance(result, BridgeError):
                 self._store(ids, result)

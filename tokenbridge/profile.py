@@ -15,11 +15,14 @@ import json
 import weakref
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from tokenbridge.guard import text_guard
 
 # Special tokens that end a completion; the engine may also pass its own EOS id.
 END_TOKEN_TEXTS = frozenset(
@@ -63,6 +66,7 @@ class VocabProfile:
     unicode_form: str | None  # the normalizer is exactly this Unicode form (Qwen2: "NFC"), else None
     composes: bool  # the normalizer may compose, decompose or reorder characters (any NF* inside it)
     exact: bool  # decode == concatenated token bytes on every probe text
+    text_guard: Callable[[str], bool] | None  # if it holds for a text, equal length means the tokens spell it
     fingerprint: str  # sha256 of the serialized tokenizer: equal fingerprints tokenize identically
 
     @property
@@ -82,10 +86,10 @@ class VocabProfile:
         spelled = self.spell(ids)
         return spelled.raw, spelled.bounds[:-1]
 
-    def spell(self, ids: np.ndarray, empty_at: list[int] | tuple = ()) -> Spelled:
-        """The bytes of `ids` back to back and where each token starts; tokens at `empty_at` count as no bytes
-        (an EOS that stands for no text). Two row gathers: the text rows' bytes without their padding are the
-        text; SLOW tokens (rare) send the whole run through the blob."""
+    def spell(self, ids: np.ndarray, empty_at: list[int] | tuple = (), text: bool = True) -> Spelled:
+        """The bytes of `ids` back to back (b"" unless `text`) and where each token starts; tokens at `empty_at`
+        count as no bytes (an EOS that stands for no text). Row gathers: the text rows' bytes without their
+        padding are the text; SLOW tokens (rare) send the whole run through the blob."""
         meta = self.meta.take(ids, axis=0)  # (n, 2)
         for i in empty_at:
             meta[i, 1] = 0
@@ -94,13 +98,19 @@ class VocabProfile:
         if any_flags & SLOW:
             lens = self.byte_len.take(ids)
             lens[list(empty_at)] = 0
-            index = (self.blob_start.take(ids) - bounds_of(lens)[:-1]).repeat(lens)  # blob position of a token's
-            index += np.arange(len(index))  # start, plus the byte's offset in the text minus the token's start
-            return Spelled(self.blob.take(index).tobytes(), bounds_of(lens), flags, any_flags)
-        rows = self.rows.take(ids, axis=0)
-        for i in empty_at:
-            rows[i] = PAD[0]
-        return Spelled(rows.tobytes().translate(None, PAD), bounds_of(meta[:, 1].astype(np.int64)), flags, any_flags)
+            raw = b""
+            if text:
+                index = (self.blob_start.take(ids) - bounds_of(lens)[:-1]).repeat(lens)  # blob position of a
+                index += np.arange(len(index))  # token's start, plus the byte's offset in the text minus its start
+                raw = self.blob.take(index).tobytes()
+            return Spelled(raw, bounds_of(lens), flags, any_flags)
+        raw = b""
+        if text:
+            rows = self.rows.take(ids, axis=0)
+            for i in empty_at:
+                rows[i] = PAD[0]
+            raw = rows.tobytes().translate(None, PAD)
+        return Spelled(raw, bounds_of(meta[:, 1].astype(np.int64)), flags, any_flags)
 
 
 @dataclass(slots=True, eq=False)
@@ -203,6 +213,7 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
         unicode_form=form,
         composes=composes,
         exact=False,
+        text_guard=text_guard(backend),
         fingerprint=hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest(),
     )
     return _verified(profile, backend)

@@ -31,6 +31,7 @@ from tokenbridge.errors import (
     UndecodableTextError,
 )
 from tokenbridge.fallback import slow_span, with_eos
+from tokenbridge.encoders import Encoders
 from tokenbridge.profile import SPECIAL, Spelled, VocabProfile
 from tokenbridge.spans import Laid, Side, align_laid, drop_leading
 
@@ -55,22 +56,6 @@ class Source:
     raw: bytes  # UTF-8 of the text
     drop: int  # 1 if a dummy-prefix space was dropped in front of raw
     text: str
-
-
-_ENCODERS: dict[str, Tokenizer] = {}  # fingerprint -> private encoder, shared by all bridges to that tokenizer
-
-
-def private_encoder(backend: Tokenizer, profile: VocabProfile) -> Tokenizer:
-    """A copy of a destination backend that keeps literal special-token text as text and never truncates
-    or pads; the caller's tokenizer object is left untouched."""
-    encoder = _ENCODERS.get(profile.fingerprint)
-    if encoder is None:
-        encoder = Tokenizer.from_str(backend.to_str())
-        encoder.encode_special_tokens = True
-        encoder.no_truncation()
-        encoder.no_padding()
-        _ENCODERS[profile.fingerprint] = encoder
-    return encoder
 
 
 def _frozen(aligned: Aligned) -> Aligned:
@@ -122,7 +107,7 @@ def split_eos(profile: VocabProfile, ids: np.ndarray, special: np.ndarray, dst_e
 
 
 def retokenize_many(
-    src: VocabProfile, dst: VocabProfile, encoder: Tokenizer, batch: list[np.ndarray], dst_eos_id: int | None
+    src: VocabProfile, dst: VocabProfile, encoders: Encoders, batch: list[np.ndarray], dst_eos_id: int | None
 ) -> list[Aligned | BridgeError]:
     """Align each validated, non-empty source id array onto the destination's encoding of its text."""
     firsts = _running([len(run) for run in batch])
@@ -140,8 +125,7 @@ def retokenize_many(
             results[k] = EmptyCompletionError("src_ids decode to empty text and carry no EOS: there is nothing to bridge")
     if not texts:
         return [results[k] for k in range(len(batch))]
-    encodings = encoder.encode_batch_fast([source.text for _, source in texts], add_special_tokens=False)
-    lists = [encoding.ids for encoding in encodings]
+    lists = encoders.ids([source.text for _, source in texts])
     fast: list[int] = []  # indices into texts of the completions whose destination tokens spell their text
     if dst.exact:
         dst_side, shifts = _dst_side(dst, lists, texts, dst_eos_id)
@@ -149,7 +133,7 @@ def retokenize_many(
     for i in sorted(set(range(len(texts))) - set(fast)):
         k, source = texts[i]
         try:
-            results[k] = _slow(src, dst, encoder, source, lists[i], dst_eos_id)
+            results[k] = _slow(src, dst, encoders.full, source, lists[i], dst_eos_id)
         except BridgeError as exc:
             results[k] = exc
     if fast:
@@ -215,12 +199,24 @@ def _dst_side(
             flat.append(dst_eos_id)
         firsts.append(len(flat))
     ids_array = np.frombuffer(array("I", flat), dtype=np.uint32).astype(np.int64)  # the fastest list -> array
-    spelled = dst.spell(ids_array, ends)  # the EOS stands for no text, even an override that is a text token
-    at = [0, len(spelled.raw)] if len(lists) == 1 else spelled.bounds[firsts].tolist()
-    raw_all = spelled.raw
-    shifts = [_spelled(dst, raw_all[a:b] if len(lists) > 1 else raw_all, source.raw)
-              for a, b, (_, source) in zip(at, at[1:], texts)]
+    guard = dst.text_guard if dst.exact else None  # if it holds, comparing lengths is comparing bytes
+    by_length = guard is not None and all(guard(source.text) for _, source in texts)
+    spelled = dst.spell(ids_array, ends, text=not by_length)  # an EOS stands for no text, even a text token
+    at = spelled.bounds[firsts].tolist()
+    if by_length:
+        shifts = [_shift(dst, b - a - len(source.raw)) for a, b, (_, source) in zip(at, at[1:], texts)]
+    else:
+        raw_all = spelled.raw
+        shifts = [_spelled(dst, raw_all[a:b] if len(lists) > 1 else raw_all, source.raw)
+                  for a, b, (_, source) in zip(at, at[1:], texts)]
     return Side(ids_array, spelled.bounds, firsts, ends, spelled.flags, spelled.any_flags), shifts
+
+
+def _shift(dst: VocabProfile, extra: int) -> int | None:
+    """The dummy-prefix shift that `extra` destination bytes mean, under the text guard; None if no shift can."""
+    if extra == 0:
+        return 0
+    return 1 if extra == 1 and dst.strips_leading_space else None
 
 
 def _spelled(dst: VocabProfile, dst_raw: bytes, raw: bytes) -> int | None:
