@@ -166,3 +166,19 @@ def test_text_guards_of_the_builtins(toks):
     gpt2, mistral, qwen2 = (text_guard(toks[n].backend_tokenizer) for n in ("gpt2", "mistral", "qwen2"))
     assert gpt2("x\u2581y e\u0301") and mistral("e\u0301") and not mistral("x\u2581y")
     assert qwen2("caf\u00e9 x\u2581y") and not qwen2("cafe\u0301")
+
+
+def test_token_longer_than_the_tables_hold(toks, tmp_path_factory):
+    """An added token of 300 characters (600 bytes): past what a text row and a meta row can hold."""
+    big = load_tokenizer("gpt2", tmp_path_factory.getbasetemp() / "tokenbridge-cache")
+    big.add_tokens(["\u03bb" * 300])
+    text = "ok " + "\u03bb" * 300 + " done \u03bb"
+    ids = encode(big, text)
+    assert len(ids) < 10  # the long token is used
+    for src, dst in ((big, toks["qwen2"]), (toks["qwen2"], big), (big, toks["mistral"])):
+        src_ids = encode(src, text)
+        out = Bridge(src, dst)(src_ids + [src.eos_token_id], np.full(len(src_ids) + 1, -0.5))
+        assert out.text == text and out.dst_ids.tolist() == encode(dst, text) + [dst.eos_token_id]
+        assert out.groups.chars[-1] == len(text) and out.dst_logprobs.sum() == pytest.approx(-0.5 * (len(src_ids) + 1))
+        for k_src, c in zip(out.groups.src[:-1], out.groups.chars[:-1]):
+            assert src.decode(src_ids[:k_src]) == text[:c]

@@ -36,12 +36,14 @@ PROBE_TEXTS = (
     "def f(x):\n    return x ** 2  # 12345",
 )
 SPACE_MARKER = "\u2581"  # SentencePiece's "▁"
-# What spelling and aligning read per token, in two small rows: its bytes padded to 16 with 0xFF (a byte
-# valid UTF-8 never holds, so dropping it from the row bytes leaves the text), and [flags, length].
+# What spelling reads per token: its bytes in a text row, padded to 16 with 0xFF (a byte valid UTF-8 never
+# holds, so dropping it from the row bytes leaves the text), and a flag byte. Lengths and lead bytes come
+# from the int64 tables themselves: one gather each, no casts (at these lengths every distinct numpy
+# operation costs more than the data it moves, most of all when the destination encode has just
+# evicted the caches).
 ROW = 16  # token bytes a text row holds
 PAD = b"\xff"
 SPECIAL, STARTS_CHAR, SLOW = 1, 2, 4  # flag bits; SLOW: longer than a row, or holding 0xFF: spelled from the blob
-LEAD_SHIFT = 3  # bits 3-7: the characters the token starts (its UTF-8 lead bytes), 0 for SLOW tokens
 UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 
 
@@ -52,7 +54,7 @@ class VocabProfile:
     token_bytes: tuple[bytes, ...]  # (V,) bytes each id contributes to the text; b"" for specials and holes
     byte_len: np.ndarray  # (V,) int64, len(token_bytes[i])
     rows: np.ndarray  # (V, ROW) uint8, token bytes padded with 0xFF (the first ROW of them for a SLOW token)
-    meta: np.ndarray  # (V, 2) uint8, [flags, length] (length capped at 255; SLOW tokens use byte_len)
+    flag: np.ndarray  # (V,) uint8 flag bits (SPECIAL, STARTS_CHAR, SLOW)
     lead_bytes: np.ndarray  # (V,) int64, bytes of token i that start a UTF-8 character (its share of the characters)
     blob: np.ndarray  # (sum byte_len,) uint8, all token bytes back to back, for tokens longer than a record holds
     blob_start: np.ndarray  # (V,) int64, where token i's bytes start in blob
@@ -87,30 +89,27 @@ class VocabProfile:
         return spelled.raw, spelled.bounds[:-1]
 
     def spell(self, ids: np.ndarray, empty_at: list[int] | tuple = (), text: bool = True) -> Spelled:
-        """The bytes of `ids` back to back (b"" unless `text`) and where each token starts; tokens at `empty_at`
-        count as no bytes (an EOS that stands for no text). Row gathers: the text rows' bytes without their
-        padding are the text; SLOW tokens (rare) send the whole run through the blob."""
-        meta = self.meta.take(ids, axis=0)  # (n, 2)
+        """The bytes of `ids` back to back and where each token starts; tokens at `empty_at` count as no
+        bytes (an EOS that stands for no text). Without `text`: only where the tokens start (no bytes, no
+        flags). Row gathers: the text rows' bytes without their padding are the text; SLOW tokens (rare)
+        send the whole run through the blob."""
+        lens = self.byte_len.take(ids)
         for i in empty_at:
-            meta[i, 1] = 0
-        flags = meta[:, 0]
+            lens[i] = 0
+        if not text:
+            return Spelled(b"", bounds_of(lens), None, 0)
+        flags = self.flag.take(ids)
         any_flags = int(np.bitwise_or.reduce(flags))
         if any_flags & SLOW:
-            lens = self.byte_len.take(ids)
-            lens[list(empty_at)] = 0
-            raw = b""
-            if text:
-                index = (self.blob_start.take(ids) - bounds_of(lens)[:-1]).repeat(lens)  # blob position of a
-                index += np.arange(len(index))  # token's start, plus the byte's offset in the text minus its start
-                raw = self.blob.take(index).tobytes()
-            return Spelled(raw, bounds_of(lens), flags, any_flags)
-        raw = b""
-        if text:
+            index = (self.blob_start.take(ids) - bounds_of(lens)[:-1]).repeat(lens)  # blob position of a token's
+            index += np.arange(len(index))  # start, plus the byte's offset in the text minus the token's start
+            raw = self.blob.take(index).tobytes()
+        else:
             rows = self.rows.take(ids, axis=0)
             for i in empty_at:
                 rows[i] = PAD[0]
             raw = rows.tobytes().translate(None, PAD)
-        return Spelled(raw, bounds_of(meta[:, 1].astype(np.int64)), flags, any_flags)
+        return Spelled(raw, bounds_of(lens), flags, any_flags)
 
 
 @dataclass(slots=True, eq=False)
@@ -119,8 +118,8 @@ class Spelled:
 
     raw: bytes  # the tokens' bytes back to back
     bounds: np.ndarray  # (n+1,) int64 start byte of each token, then len(raw)
-    flags: np.ndarray  # (n,) uint8 token flags (SPECIAL, STARTS_CHAR, SLOW, lead bytes)
-    any_flags: int  # the flags of all tokens or-ed: SPECIAL or SLOW set means a closer look is needed
+    flags: np.ndarray | None  # (n,) uint8 token flags (SPECIAL, STARTS_CHAR, SLOW); None if no text was spelled
+    any_flags: int  # the flags of all tokens or-ed (0 if no text was spelled)
 
 
 def bounds_of(lens: np.ndarray) -> np.ndarray:
@@ -194,12 +193,12 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
     leads_before = np.zeros(len(blob) + 1, dtype=np.int64)
     np.cumsum((blob & 0xC0) != 0x80, out=leads_before[1:])  # continuation bytes are 10xxxxxx
     lead_bytes = leads_before[blob_start + byte_len] - leads_before[blob_start]
-    rows, meta = _rows_and_meta(table, byte_len, lead_bytes, special)
+    rows, flag = _rows_and_flags(table, byte_len, special)
     profile = VocabProfile(
         token_bytes=tuple(table),
         byte_len=byte_len,
         rows=rows,
-        meta=meta,
+        flag=flag,
         lead_bytes=lead_bytes,
         blob=blob,
         blob_start=blob_start,
@@ -219,15 +218,13 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
     return _verified(profile, backend)
 
 
-def _rows_and_meta(table: list[bytes], byte_len: np.ndarray, lead_bytes: np.ndarray, special: np.ndarray):
-    """(V, ROW) padded token bytes and (V, 2) [flags, length]; see ROW and the flag bits."""
+def _rows_and_flags(table: list[bytes], byte_len: np.ndarray, special: np.ndarray):
+    """(V, ROW) padded token bytes and (V,) flag bits; see ROW and the flag bits."""
     rows = np.frombuffer(b"".join(token[:ROW].ljust(ROW, PAD) for token in table), dtype=np.uint8).reshape(-1, ROW)
     starts_char = (byte_len == 0) | ((rows[:, 0] & 0xC0) != 0x80)
     slow = (byte_len > ROW) | np.array([PAD in token for token in table])
-    meta = np.empty((len(table), 2), dtype=np.uint8)
-    meta[:, 0] = special * SPECIAL + starts_char * STARTS_CHAR + slow * SLOW + (np.where(slow, 0, lead_bytes) << LEAD_SHIFT)
-    meta[:, 1] = np.minimum(byte_len, 255)
-    return rows.copy(), meta
+    flag = (special * SPECIAL + starts_char * STARTS_CHAR + slow * SLOW).astype(np.uint8)
+    return rows.copy(), flag
 
 
 def _verified(profile: VocabProfile, backend: Tokenizer) -> VocabProfile:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenbridge.align import Groups, SpanAlignment
-from tokenbridge.profile import LEAD_SHIFT, SLOW, STARTS_CHAR, VocabProfile, bounds_of
+from tokenbridge.profile import STARTS_CHAR, VocabProfile, bounds_of
 
 
 @dataclass(slots=True, eq=False)
@@ -36,7 +36,7 @@ class Side:
     bounds: np.ndarray  # (N+1,) int64 start byte of each token in the texts, then their total length
     firsts: list[int]  # (K+1,) first token of each completion, then N
     ends: list[int]  # first end token (source) or the EOS (destination) of each completion that has one
-    flags: np.ndarray  # (N,) uint8 record flags of the tokens (see profile.py)
+    flags: np.ndarray | None  # (N,) uint8 flags of the tokens (see profile.py); None on the destination side
     any_flags: int  # all their flags or-ed
 
 
@@ -82,7 +82,7 @@ def align_laid(src: VocabProfile, dst: VocabProfile, laid: Laid) -> list[Piece]:
     if laid.raw.isascii():
         chars = s.bounds.take(src_bounds)
     else:  # characters before a cut = UTF-8 lead bytes before it (a cut never splits a character)
-        lead = bounds_of(src.lead_bytes.take(s.ids) if s.any_flags & SLOW else (s.flags >> LEAD_SHIFT).astype(np.int64))
+        lead = bounds_of(src.lead_bytes.take(s.ids))
         if any(laid.src_drop):
             drop_leading(lead, s.firsts, laid.src_drop)  # a dropped space: one byte, one lead byte
         chars = lead.take(src_bounds)
@@ -92,9 +92,9 @@ def align_laid(src: VocabProfile, dst: VocabProfile, laid: Laid) -> list[Piece]:
     inexact = (n_src_g * n_dst_g) != 1  # counts are >= 1, so a product of 1 means one-to-one
     n_dst_g = n_dst_g.astype(np.float64)  # the divisor of log-prob sums: float, so the division casts nothing
     for array in (d.ids, src_group, dst_group, src_bounds, dst_bounds, chars, n_dst_g):
-        array.flags.writeable = False  # shared with the cache; the slices below are read-only views
+        array.setflags(write=False)  # shared with the cache; the slices below are read-only views
     if len(laid.n_chars) == 1:
-        residual = float(np.add.reduce(n_chars_g, where=inexact)) / laid.n_chars[0]
+        residual = float(n_chars_g.dot(inexact)) / laid.n_chars[0]
         return [Piece(d.ids, SpanAlignment(src_group, dst_group, Groups(src_bounds, dst_bounds, chars), residual), n_dst_g)]
     n_chars_g[~inexact] = 0
     group_firsts = src_group.take(s.firsts[:-1]).tolist() + [len(n_src_g)]
@@ -108,13 +108,13 @@ def _cuts(src: VocabProfile, laid: Laid) -> np.ndarray:
     src_starts, dst_starts = laid.src.bounds[:-1], laid.dst.bounds[:-1]
     marks = np.zeros(len(laid.raw) + 1, dtype=np.uint8)
     if laid.raw.isascii():
-        marks.put(src_starts, STARTS_CHAR)
+        marks[src_starts] = STARTS_CHAR
     elif not src.has_empty:  # the source token starting at p tells whether byte p starts a character
-        marks.put(src_starts, laid.src.flags & STARTS_CHAR)
+        marks[src_starts] = laid.src.flags & STARTS_CHAR
     else:  # a token with no bytes knows nothing about the byte after it: read the text itself
-        marks.put(src_starts, STARTS_CHAR)
+        marks[src_starts] = STARTS_CHAR
         marks[:-1] *= (np.frombuffer(laid.raw, dtype=np.uint8) & 0xC0) != 0x80  # not 10xxxxxx
-    marks.put(dst_starts, marks.take(dst_starts) + 1)  # read all, then write: a repeated start adds once
+    marks[dst_starts] = marks.take(dst_starts) + 1  # read all, then write: a repeated start adds once
     common = marks == STARTS_CHAR + 1
     for p in laid.byte_firsts:  # texts' first bytes and the end: never cuts (first tokens are forced open)
         common[p] = False
@@ -150,6 +150,6 @@ def _piece(laid: Laid, k: int, group_firsts: list[int], inexact_chars: int, arra
     own = [src_group[s0:s1] - g0, dst_group[d0:d1] - g0, src_bounds[g0 : g1 + 1] - s0,
            dst_bounds[g0 : g1 + 1] - d0, chars[g0 : g1 + 1] - chars[g0]]
     for array in own:
-        array.flags.writeable = False
+        array.setflags(write=False)
     span = SpanAlignment(own[0], own[1], Groups(own[2], own[3], own[4]), inexact_chars / laid.n_chars[k])
     return Piece(laid.dst.ids[d0:d1], span, n_dst_g[g0:g1])
