@@ -114,3 +114,15 @@ def test_batch_results_are_independent_arrays(toks):
     assert a.dst_ids[-1] == 2 and b.text == "second"
     with pytest.raises(ValueError):
         b.dst_ids[0] = 0
+
+
+def test_nfc_and_non_nfc_texts_in_one_batch(toks):
+    """Qwen2's NFC-only normalizer is skipped for a batch of NFC texts; one non-NFC text sends the batch
+    through the full encoder. Either way: the destination's own ids, and what calls give."""
+    texts = ["caf\u00e9 \u00c5ngstr\u00f6m \ud55c\uad6d\uc5b4", "cafe\u0301 \u212b", "plain ascii"]
+    for batch in (texts[::2], texts):
+        bridge = Bridge(toks["gpt2"], toks["qwen2"])
+        ids = [ids_of(toks["gpt2"], text) for text in batch]
+        out = bridge.batch(ids)
+        for text, result, one in zip(batch, out, calls(Bridge(toks["gpt2"], toks["qwen2"]), ids, [None] * 3, [None] * 3)):
+            assert result.dst_ids.tolist() == ids_of(toks["qwen2"], text) and same(result, one)

@@ -14,28 +14,34 @@ for the one thing the bridge asks of them, token ids of a completion's text.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from tokenizers import Tokenizer
 
 from tokenbridge.profile import PROBE_TEXTS, VocabProfile
 
-CHECK_TEXTS = PROBE_TEXTS + (" x", "  x", "\u2581x", "x \u2581 y", "")
+CHECK_TEXTS = PROBE_TEXTS + (" x", "  x", "\u2581x", "x \u2581 y", "", "caf\u00e9 na\u00efve \u00c5 \ufb01 \ud55c\uad6d\uc5b4 \u1e69")
 
 
 @dataclass(frozen=True, eq=False)
 class Encoders:
     """`full` encodes any text as the destination does (and gives offsets, for the slow paths);
-    `plain(normalize(text))` gives the same ids faster."""
+    `plain(normalize(text))` gives the same ids faster, for every text that `plain_ok` accepts."""
 
     full: Tokenizer
     plain: Tokenizer
     normalize: Callable[[str], str]
+    plain_ok: Callable[[str], bool]
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         """The destination's ids of each text, without special tokens: one batch encode, no offsets."""
-        encodings = self.plain.encode_batch_fast([self.normalize(text) for text in texts], add_special_tokens=False)
+        if all(map(self.plain_ok, texts)):
+            encodings = self.plain.encode_batch_fast([self.normalize(text) for text in texts], add_special_tokens=False)
+        else:
+            encodings = self.full.encode_batch_fast(texts, add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
 
@@ -47,8 +53,8 @@ def encoders_for(backend: Tokenizer, profile: VocabProfile) -> Encoders:
     encoders = _ENCODERS.get(profile.fingerprint)
     if encoders is None:
         full = _private_copy(backend)
-        plain, normalize = _without_normalizer(full)
-        encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize)
+        plain, normalize, plain_ok = _without_normalizer(full)
+        encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize, plain_ok)
     return encoders
 
 
@@ -64,28 +70,37 @@ def _private_copy(backend: Tokenizer) -> Tokenizer:
     return encoder
 
 
-def _without_normalizer(full: Tokenizer) -> tuple[Tokenizer, Callable[[str], str]]:
-    """(plain, normalize): a copy without the normalizer and its effect in Python, when it is literal
-    replacements only and the probes agree; else (full, identity)."""
+def _without_normalizer(full: Tokenizer) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
+    """(plain, normalize, plain_ok): a copy without the normalizer, what it did in Python, and the texts
+    for which that holds; when the probes agree. Else (full, identity, always)."""
     config = json.loads(full.to_str())
-    normalize = _literal_normalizer(config.get("normalizer"))
-    if normalize is None or config.get("normalizer") is None:
-        return full, _identity
+    normalizer = config.get("normalizer")
+    if normalizer == {"type": "NFC"}:
+        normalize, plain_ok = _identity, partial(unicodedata.is_normalized, "NFC")
+    else:
+        normalize, plain_ok = _literal_normalizer(normalizer), _always
+    if normalize is None or normalizer is None:
+        return full, _identity, _always
     config["normalizer"] = None
     plain = Tokenizer.from_str(json.dumps(config))
     plain.encode_special_tokens = True
-    if _probe_ids(plain, normalize) != _probe_ids(full):
-        return full, _identity
-    return plain, normalize
+    texts = [text for text in CHECK_TEXTS if plain_ok(text)]
+    if _probe_ids(plain, texts, normalize) != _probe_ids(full, texts):
+        return full, _identity, _always
+    return plain, normalize, plain_ok
 
 
-def _probe_ids(encoder: Tokenizer, normalize: Callable[[str], str] | None = None) -> list[list[int]]:
-    texts = [normalize(text) if normalize else text for text in CHECK_TEXTS]
+def _probe_ids(encoder: Tokenizer, texts=CHECK_TEXTS, normalize: Callable[[str], str] | None = None) -> list[list[int]]:
+    texts = [normalize(text) if normalize else text for text in texts]
     return [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def _identity(text: str) -> str:
     return text
+
+
+def _always(text: str) -> bool:
+    return True
 
 
 def _literal_normalizer(normalizer: dict | None) -> Callable[[str], str] | None:
