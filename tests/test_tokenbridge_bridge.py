@@ -13,6 +13,7 @@ from tokenbridge import (
     Bridge,
     EmptyCompletionError,
     InvalidLogprobError,
+    InvalidMaskError,
     InvalidTokenIdError,
     LengthMismatchError,
     NonFiniteLogprobError,
@@ -69,6 +70,41 @@ def test_bad_input_is_a_typed_error(toks, ids, logprobs, mask, error, message):
 def test_huge_but_finite_logprobs_are_accepted(g2m):
     out = g2m([15496, 995], [-1e308, -1e308])  # their sum overflows; each value is still finite
     assert np.isfinite(out.dst_logprobs).all()
+
+
+def test_group_sum_that_overflows_is_rejected(toks):
+    bridge = Bridge(toks["gpt2"], toks["mistral"])
+    # "H" "ell" "o" is one aligned group (Mistral spells it "▁Hello"): finite one by one, -inf together
+    with pytest.raises(NonFiniteLogprobError, match=r"logprobs\[0:3\] sum to -inf in aligned group 0"):
+        bridge([39, 695, 78], [-1e308, -1e308, -1e308])
+    assert bridge.stats.rejected == 1 and bridge.stats.bridged == 0
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [([True, float("nan")], r"mask\[1\] is nan; a loss mask holds booleans or 0/1"),
+     ([1, 2], r"mask\[1\] is 2;"), ([0.5, 1.0], r"mask\[0\] is 0.5;"), ([-1, 0], r"mask\[0\] is -1;"),
+     (["yes", "no"], "mask must hold booleans \\(or 0/1\\), got dtype <U3"),
+     ([1 + 0j, 0j], "mask must hold booleans \\(or 0/1\\), got dtype complex128")],
+)
+def test_mask_that_is_not_booleans_is_rejected(toks, mask, message):
+    bridge = Bridge(toks["gpt2"], toks["mistral"])
+    with pytest.raises(InvalidMaskError, match=message):
+        bridge([15496, 995], mask=mask)
+    assert bridge.stats.rejected == 1
+
+
+@pytest.mark.parametrize("mask", [[1, 0], [1.0, 0.0], np.array([1, 0], dtype=np.uint8), [True, False]])
+def test_mask_of_zeros_and_ones_is_read_as_booleans(g2m, mask):
+    assert g2m([15496, 995], mask=mask).dst_mask.tolist() == [True, False]
+
+
+def test_uint64_id_past_int64_is_reported_as_given(toks):
+    bridge = Bridge(toks["gpt2"], toks["mistral"])
+    with pytest.raises(InvalidTokenIdError, match=r"src_ids\[0\] = 9223372036854775808 is outside"):
+        bridge(np.array([2**63, 995], dtype=np.uint64))
+    with pytest.raises(InvalidTokenIdError, match=r"src_ids\[1\] = 18446744073709551615 is outside"):
+        bridge(np.array([15496, 2**64 - 1], dtype=np.uint64))
 
 
 # -- EOS and special tokens ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ Public API (see tokenbridge/README.md):
     load_tokenizer(name_or_path, cache_dir=None) -> PreTrainedTokenizerFast
     Bridge(src_tokenizer, dst_tokenizer, cache_size=4096, dst_eos_id=None)(src_ids, logprobs=None, mask=None)
         -> BridgedCompletion
+    Bridge.batch(list_of_src_ids, logprobs=None, masks=None) -> list[BridgedCompletion | BridgeError]
     build_learner_sequence(prompt_ids, bridged) -> (input_ids, loss_mask, behaviour_logprobs)
 """
 
@@ -15,6 +16,7 @@ from tokenbridge.errors import (
     BridgeError,
     EmptyCompletionError,
     InvalidLogprobError,
+    InvalidMaskError,
     InvalidTokenIdError,
     LengthMismatchError,
     NonFiniteLogprobError,
@@ -36,6 +38,7 @@ __all__ = [
     "EmptyCompletionError",
     "Groups",
     "InvalidLogprobError",
+    "InvalidMaskError",
     "InvalidTokenIdError",
     "LengthMismatchError",
     "NonFiniteLogprobError",

@@ -3,7 +3,8 @@
 Rules, in the order they apply:
 
 - Only the completion crosses; it must be non-empty, its ids inside the source vocabulary, and
-  log-probs / mask (if given) one per id, log-probs finite. Anything else is a `BridgeError`.
+  log-probs / mask (if given) one per id, log-probs finite, mask booleans or 0/1. Anything else is
+  a `BridgeError`.
 - A trailing run of end tokens (the source's EOS, `<|im_end|>`, `</s>`, ...) maps to ONE destination
   EOS token (its own zero-character group), never to text. Any other special token, or one in the
   middle of the completion, raises `SpecialTokenError`: a control token has no text to align.
@@ -14,17 +15,21 @@ Rules, in the order they apply:
   special-token strings in the text stay text (`encode_special_tokens`), so a peer cannot inject
   control tokens; truncation and padding of the destination tokenizer are ignored.
 - Log-probs: each group's source sum is spread UNIFORMLY over its destination tokens, so every
-  group sum is conserved (float64). Masks: a destination token is in the loss only if EVERY source
-  token of its group was (a group is never half-trained).
+  group sum is conserved (float64); a group whose sum overflows float64 raises
+  `NonFiniteLogprobError`. Masks: a destination token is in the loss only if EVERY source token of
+  its group was (a group is never half-trained).
 - Same tokenizer (same serialized fingerprint): identity, ids passed through untouched (a
   non-canonical tokenization the generator sampled stays as sampled), residual 0.
 - Results of a given source id sequence are cached (LRU): the alignment does not depend on the
   log-probs, which are re-spread per call. Id and group arrays are read-only (shared with the cache).
+- `Bridge.batch` gives, completion by completion, what one call each would give (the error in place
+  of a raise), with one destination batch encode and one alignment for the whole batch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -32,18 +37,14 @@ import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from tokenbridge.align import Groups
-from tokenbridge.errors import (
-    BridgeError,
-    EmptyCompletionError,
-    InvalidLogprobError,
-    InvalidTokenIdError,
-    LengthMismatchError,
-    NonFiniteLogprobError,
-    UndecodableTextError,
-    UnsupportedTokenizerError,
-)
+from tokenbridge.checks import checked_ids, checked_logprobs, checked_mask, nonfinite_logprobs
+from tokenbridge.errors import BridgeError, UndecodableTextError, UnsupportedTokenizerError
 from tokenbridge.profile import profile_of
-from tokenbridge.retokenize import Aligned, identity, private_encoder, retokenize
+from tokenbridge.encoders import encoders_for
+from tokenbridge.retokenize import Aligned, identity, retokenize_many
+from tokenbridge.single import align_one
+
+Checked = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # ids (n,) int64, log-probs (n,) float64, mask (n,) bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,95 +103,160 @@ class Bridge:
         self.cache_size = cache_size
         self.stats = BridgeStats()
         self._cache: OrderedDict[bytes, Aligned] = OrderedDict()
-        self._encoder = None if self.identity else private_encoder(dst_tokenizer.backend_tokenizer, self.dst)
+        self._encoders = None if self.identity else encoders_for(dst_tokenizer.backend_tokenizer, self.dst)
 
     def __call__(self, src_ids, logprobs=None, mask=None) -> BridgedCompletion:
-        """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools or None."""
+        """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools (or 0/1) or None.
+
+        Raises a `BridgeError` subclass (counted in `stats.rejected`) when the completion cannot cross.
+        """
         try:
-            ids, lp, msk = self._validated(src_ids, logprobs, mask)
-            aligned, hit = self._aligned(ids)
+            ids, lp, msk = self._checked(src_ids, logprobs, mask)
+            aligned = self._lookup(ids)
+            hit = aligned is not None
+            if aligned is None:
+                aligned = self._aligned_one(ids)
+            out = self._spread(aligned, lp, msk)
         except BridgeError as exc:
-            self.stats.rejected += 1
-            self.stats.undecodable += isinstance(exc, UndecodableTextError)
+            self._count_rejected(exc)
             raise
+        self._count(aligned, hit)
+        return out
+
+    def batch(
+        self,
+        src_ids: Sequence,
+        logprobs: Sequence | None = None,
+        masks: Sequence | None = None,
+    ) -> list[BridgedCompletion | BridgeError]:
+        """Bridge K completions at once, e.g. the peer experiences waiting at a learner's ingest.
+
+        src_ids: K id sequences; logprobs, masks: None, or K entries, each None or one value per token
+        of its completion (as in a call). Returns K entries in order: the `BridgedCompletion` that a call
+        would return, or the `BridgeError` it would raise, returned in its place and counted in `stats`
+        the same way, so one bad completion never costs the others. The destination encodes all the
+        texts in one batch encode (on all cores) and one alignment serves them all: much faster than
+        K calls. Raises ValueError if logprobs or masks do not have K entries.
+        """
+        n = len(src_ids)
+        lps, msks = _per_completion("logprobs", logprobs, n), _per_completion("masks", masks, n)
+        out: dict[int, BridgedCompletion | BridgeError] = {}
+        checked: dict[int, Checked] = {}
+        for k in range(n):
+            try:
+                checked[k] = self._checked(src_ids[k], lps[k], msks[k])
+            except BridgeError as exc:
+                self._count_rejected(exc)
+                out[k] = exc
+        aligned = self._aligned_all({k: ids for k, (ids, _, _) in checked.items()})
+        for k, (_, lp, msk) in checked.items():
+            result, hit = aligned[k]
+            try:
+                if isinstance(result, BridgeError):
+                    raise result
+                out[k] = self._spread(result, lp, msk)
+            except BridgeError as exc:
+                self._count_rejected(exc)
+                out[k] = exc
+                continue
+            self._count(result, hit)
+        return [out[k] for k in range(n)]
+
+    # -- input checks and counters ----------------------------------------------------------------
+
+    def _checked(self, src_ids, logprobs, mask) -> Checked:
+        ids = checked_ids(self.src, src_ids)
+        lp = None if logprobs is None else checked_logprobs(logprobs, len(ids))
+        msk = None if mask is None else checked_mask(mask, len(ids))
+        return ids, lp, msk
+
+    def _count_rejected(self, exc: BridgeError) -> None:
+        self.stats.rejected += 1
+        self.stats.undecodable += isinstance(exc, UndecodableTextError)
+
+    def _count(self, aligned: Aligned, hit: bool) -> None:
         self.stats.bridged += 1
         self.stats.cache_hits += hit
         n_chars = int(aligned.span.groups.chars[-1])
         self.stats.chars += n_chars
         self.stats.residual_chars += aligned.span.residual * n_chars
-        return self._spread(aligned, lp, msk)
-
-    # -- input checks ---------------------------------------------------------------------------
-
-    def _validated(self, src_ids, logprobs, mask) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        ids = np.asarray(src_ids)
-        if ids.ndim != 1:
-            raise InvalidTokenIdError(f"src_ids must be a 1-D sequence of token ids, got shape {ids.shape}")
-        if ids.size == 0:
-            raise EmptyCompletionError("src_ids is empty: there is no completion to bridge")
-        if ids.dtype.kind not in "iu":
-            raise InvalidTokenIdError(f"src_ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
-        # one reduction checks both ends: viewed as unsigned, negative ids are huge
-        too_big = int(ids.view(np.uint64).max()) >= self.src.vocab_size
-        if too_big or (self.src.has_holes and not self.src.valid[ids].all()):
-            bad = (ids < 0) | (ids >= self.src.vocab_size)
-            bad |= ~self.src.valid[np.clip(ids, 0, self.src.vocab_size - 1)]
-            pos = int(np.argmax(bad))
-            raise InvalidTokenIdError(
-                f"src_ids[{pos}] = {int(ids[pos])} is outside the source vocabulary (size {self.src.vocab_size})"
-            )
-        lp = None
-        if logprobs is not None:
-            try:
-                lp = np.asarray(logprobs, dtype=np.float64)
-            except (TypeError, ValueError):
-                raise InvalidLogprobError("logprobs must be a 1-D sequence of numbers, one per source token") from None
-            if lp.shape != ids.shape:
-                raise LengthMismatchError(f"logprobs has shape {lp.shape} but src_ids has {ids.shape}")
-            finite = np.isfinite(lp)
-            if not finite.all():
-                pos = int(np.argmin(finite))
-                raise NonFiniteLogprobError(f"logprobs[{pos}] is {lp[pos]}; behaviour log-probs must be finite")
-        msk = None
-        if mask is not None:
-            msk = np.asarray(mask)
-            if msk.shape != ids.shape:
-                raise LengthMismatchError(f"mask has shape {msk.shape} but src_ids has {ids.shape}")
-            if msk.dtype.kind not in "biuf":
-                raise LengthMismatchError(f"mask must hold booleans (or 0/1), got dtype {msk.dtype}")
-            msk = msk.astype(bool, copy=False)
-        return ids, lp, msk
 
     # -- alignment (cached) ---------------------------------------------------------------------
 
-    def _aligned(self, ids: np.ndarray) -> tuple[Aligned, bool]:
+    def _lookup(self, ids: np.ndarray) -> Aligned | None:
+        if not self.cache_size:
+            return None
         key = ids.tobytes()
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
-            return cached, True
+        return cached
+
+    def _store(self, ids: np.ndarray, aligned: Aligned) -> None:
+        if self.cache_size:
+            self._cache[ids.tobytes()] = aligned
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def _aligned_one(self, ids: np.ndarray) -> Aligned:
+        """A fresh alignment of one completion (raises), stored in the cache."""
         if self.identity:
             aligned = identity(self.src, ids)
         else:
-            aligned = retokenize(self.src, self.dst, self._encoder, ids, self.dst_eos_id)
-        if self.cache_size:
-            self._cache[key] = aligned
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return aligned, False
+            aligned = align_one(self.src, self.dst, self._encoders, ids, self.dst_eos_id)
+        self._store(ids, aligned)
+        return aligned
+
+    def _aligned(self, batch: list[np.ndarray]) -> list[Aligned | BridgeError]:
+        """Fresh alignments (no cache), stored in the cache."""
+        if not batch:
+            return []
+        if self.identity:
+            results: list[Aligned | BridgeError] = [identity(self.src, ids) for ids in batch]
+        else:
+            results = retokenize_many(self.src, self.dst, self._encoders, batch, self.dst_eos_id)
+        for ids, result in zip(batch, results):
+            if not isinstance(result, BridgeError):
+                self._store(ids, result)
+        return results
+
+    def _aligned_all(self, batch: dict[int, np.ndarray]) -> dict[int, tuple[Aligned | BridgeError, bool]]:
+        """Cached or fresh alignment of each completion, and whether it was a cache hit. A sequence that
+        repeats inside the batch is aligned once and counted as a hit after the first, as in calls."""
+        out: dict[int, tuple[Aligned | BridgeError, bool]] = {}
+        first_of: dict[bytes, int] = {}
+        repeats: list[tuple[int, int]] = []
+        misses: list[int] = []
+        for k, ids in batch.items():
+            cached = self._lookup(ids)
+            if cached is not None:
+                out[k] = (cached, True)
+            elif self.cache_size and first_of.setdefault(ids.tobytes(), k) != k:
+                repeats.append((k, first_of[ids.tobytes()]))
+            else:
+                misses.append(k)
+        for k, result in zip(misses, self._aligned([batch[k] for k in misses])):
+            out[k] = (result, False)
+        for k, first in repeats:
+            result = out[first][0]
+            out[k] = (result, not isinstance(result, BridgeError))  # a failed sequence is not cached
+        return out
 
     # -- per-call log-probs and masks -------------------------------------------------------------
 
     def _spread(self, aligned: Aligned, lp: np.ndarray | None, msk: np.ndarray | None) -> BridgedCompletion:
         span = aligned.span
-        n_groups = len(span.groups)
+        n_groups = len(aligned.n_dst_per_group)
         dst_lp = None
         if lp is not None:
             group_sum = np.bincount(span.src_group, weights=lp, minlength=n_groups)
-            dst_lp = (group_sum / aligned.n_dst_per_group)[span.dst_group]
+            # a NaN or infinite log-prob, or finite ones that overflow together, make their group sum non-finite
+            if not np.logical_and.reduce(np.isfinite(group_sum)):
+                raise nonfinite_logprobs(lp, group_sum, span.groups.src)
+            dst_lp = (group_sum / aligned.n_dst_per_group).take(span.dst_group)
         if msk is None:
-            dst_mask = np.ones(len(aligned.dst_ids), dtype=bool)
+            dst_mask = np.empty(len(aligned.dst_ids), dtype=bool)
+            dst_mask.fill(True)  # np.ones is a Python-level wrapper: twice the cost at these lengths
         else:
             masked_out = np.bincount(span.src_group[~msk], minlength=n_groups)
             dst_mask = (masked_out == 0)[span.dst_group]
@@ -206,3 +272,11 @@ class Bridge:
             eos=aligned.eos,
             identity=self.identity,
         )
+
+
+def _per_completion(name: str, values: Sequence | None, n: int) -> Sequence:
+    if values is None:
+        return [None] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} completions; pass one per completion, or None")
+    return values

@@ -27,12 +27,16 @@ class LengthMismatchError(BridgeError):
     """Log-probs or mask do not have one entry per source token."""
 
 
+class InvalidMaskError(BridgeError):
+    """A loss mask that is not booleans (or the numbers 0 and 1)."""
+
+
 class InvalidLogprobError(BridgeError):
     """Behaviour log-probs that are not numbers."""
 
 
 class NonFiniteLogprobError(InvalidLogprobError):
-    """A behaviour log-prob is NaN or infinite."""
+    """A behaviour log-prob is NaN or infinite, or an aligned group's log-probs sum beyond float64."""
 
 
 class SpecialTokenError(BridgeError):

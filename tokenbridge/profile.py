@@ -15,11 +15,14 @@ import json
 import weakref
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from tokenbridge.guard import text_guard
 
 # Special tokens that end a completion; the engine may also pass its own EOS id.
 END_TOKEN_TEXTS = frozenset(
@@ -33,6 +36,14 @@ PROBE_TEXTS = (
     "def f(x):\n    return x ** 2  # 12345",
 )
 SPACE_MARKER = "\u2581"  # SentencePiece's "▁"
+# What spelling reads per token: its bytes in a text row, padded to 16 with 0xFF (a byte valid UTF-8 never
+# holds, so dropping it from the row bytes leaves the text), and a flag byte. Lengths and lead bytes come
+# from the int64 tables themselves: one gather each, no casts (at these lengths every distinct numpy
+# operation costs more than the data it moves, most of all when the destination encode has just
+# evicted the caches).
+ROW = 16  # token bytes a text row holds
+PAD = b"\xff"
+SPECIAL, STARTS_CHAR, SLOW = 1, 2, 4  # flag bits; SLOW: longer than a row, or holding 0xFF: spelled from the blob
 UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 
 
@@ -42,10 +53,14 @@ class VocabProfile:
 
     token_bytes: tuple[bytes, ...]  # (V,) bytes each id contributes to the text; b"" for specials and holes
     byte_len: np.ndarray  # (V,) int64, len(token_bytes[i])
-    blob: np.ndarray  # (sum byte_len,) uint8, all token bytes back to back (contiguous: cache-friendly gathers)
+    rows: np.ndarray  # (V, ROW) uint8, token bytes padded with 0xFF (the first ROW of them for a SLOW token)
+    flag: np.ndarray  # (V,) uint8 flag bits (SPECIAL, STARTS_CHAR, SLOW)
+    lead_bytes: np.ndarray  # (V,) int64, bytes of token i that start a UTF-8 character (its share of the characters)
+    blob: np.ndarray  # (sum byte_len,) uint8, all token bytes back to back, for tokens longer than a record holds
     blob_start: np.ndarray  # (V,) int64, where token i's bytes start in blob
     valid: np.ndarray  # (V,) bool, id exists in the vocabulary
     has_holes: bool  # some id below V is not in the vocabulary
+    has_empty: bool  # some text token has no bytes (so two tokens can start at one byte)
     special: np.ndarray  # (V,) bool, control token with no text (BOS, EOS, <unk>, <|im_start|>, ...)
     end_ids: frozenset[int]  # special ids that may end a completion (EOS and friends)
     eos_id: int | None
@@ -53,6 +68,7 @@ class VocabProfile:
     unicode_form: str | None  # the normalizer is exactly this Unicode form (Qwen2: "NFC"), else None
     composes: bool  # the normalizer may compose, decompose or reorder characters (any NF* inside it)
     exact: bool  # decode == concatenated token bytes on every probe text
+    text_guard: Callable[[str], bool] | None  # if it holds for a text, equal length means the tokens spell it
     fingerprint: str  # sha256 of the serialized tokenizer: equal fingerprints tokenize identically
 
     @property
@@ -69,12 +85,49 @@ class VocabProfile:
 
     def gather(self, ids: np.ndarray) -> tuple[bytes, np.ndarray]:
         """(concatenated bytes of `ids`, (n,) int64 start byte of each token): numpy gathers, no Python loop."""
-        lens = self.byte_len[ids]
-        starts = np.cumsum(lens)
-        starts -= lens
-        index = np.repeat(self.blob_start[ids] - starts, lens)
-        index += np.arange(len(index))
-        return self.blob[index].tobytes(), starts
+        spelled = self.spell(ids)
+        return spelled.raw, spelled.bounds[:-1]
+
+    def spell(self, ids: np.ndarray, empty_at: list[int] | tuple = (), text: bool = True) -> Spelled:
+        """The bytes of `ids` back to back and where each token starts; tokens at `empty_at` count as no
+        bytes (an EOS that stands for no text). Without `text`: only where the tokens start (no bytes, no
+        flags). Row gathers: the text rows' bytes without their padding are the text; SLOW tokens (rare)
+        send the whole run through the blob."""
+        lens = self.byte_len.take(ids)
+        for i in empty_at:
+            lens[i] = 0
+        if not text:
+            return Spelled(b"", bounds_of(lens), None, 0)
+        flags = self.flag.take(ids)
+        any_flags = int(np.bitwise_or.reduce(flags))
+        if any_flags & SLOW:
+            index = (self.blob_start.take(ids) - bounds_of(lens)[:-1]).repeat(lens)  # blob position of a token's
+            index += np.arange(len(index))  # start, plus the byte's offset in the text minus the token's start
+            raw = self.blob.take(index).tobytes()
+        else:
+            rows = self.rows.take(ids, axis=0)
+            for i in empty_at:
+                rows[i] = PAD[0]
+            raw = rows.tobytes().translate(None, PAD)
+        return Spelled(raw, bounds_of(lens), flags, any_flags)
+
+
+@dataclass(slots=True, eq=False)
+class Spelled:
+    """Token ids spelled out. Alignment rule: flags and bounds[:-1] share the ids' length."""
+
+    raw: bytes  # the tokens' bytes back to back
+    bounds: np.ndarray  # (n+1,) int64 start byte of each token, then len(raw)
+    flags: np.ndarray | None  # (n,) uint8 token flags (SPECIAL, STARTS_CHAR, SLOW); None if no text was spelled
+    any_flags: int  # the flags of all tokens or-ed (0 if no text was spelled)
+
+
+def bounds_of(lens: np.ndarray) -> np.ndarray:
+    """(n+1,) int64 running totals of int64 `lens`, from 0 (narrower input would sum through a slow buffered cast)."""
+    bounds = np.empty(len(lens) + 1, dtype=np.int64)
+    bounds[0] = 0
+    np.add.accumulate(lens, out=bounds[1:])
+    return bounds
 
 
 def _decoder_json(backend: Tokenizer) -> str:
@@ -135,13 +188,23 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
     form = normalizer.get("type") if normalizer.get("type") in UNICODE_FORMS else None
     composes = any(f'"type":"{name}"' in json.dumps(normalizer, separators=(",", ":")) for name in UNICODE_FORMS)
     byte_len = np.fromiter(map(len, table), dtype=np.int64, count=size)
+    blob = np.frombuffer(b"".join(table), dtype=np.uint8)
+    blob_start = np.cumsum(byte_len) - byte_len
+    leads_before = np.zeros(len(blob) + 1, dtype=np.int64)
+    np.cumsum((blob & 0xC0) != 0x80, out=leads_before[1:])  # continuation bytes are 10xxxxxx
+    lead_bytes = leads_before[blob_start + byte_len] - leads_before[blob_start]
+    rows, flag = _rows_and_flags(table, byte_len, special)
     profile = VocabProfile(
         token_bytes=tuple(table),
         byte_len=byte_len,
-        blob=np.frombuffer(b"".join(table), dtype=np.uint8),
-        blob_start=np.cumsum(byte_len) - byte_len,
+        rows=rows,
+        flag=flag,
+        lead_bytes=lead_bytes,
+        blob=blob,
+        blob_start=blob_start,
         valid=valid,
         has_holes=not bool(valid.all()),
+        has_empty=bool((valid & ~special & (byte_len == 0)).any()),
         special=special,
         end_ids=frozenset(end_ids),
         eos_id=None if eos_id is None else int(eos_id),
@@ -149,9 +212,19 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
         unicode_form=form,
         composes=composes,
         exact=False,
+        text_guard=text_guard(backend),
         fingerprint=hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest(),
     )
     return _verified(profile, backend)
+
+
+def _rows_and_flags(table: list[bytes], byte_len: np.ndarray, special: np.ndarray):
+    """(V, ROW) padded token bytes and (V,) flag bits; see ROW and the flag bits."""
+    rows = np.frombuffer(b"".join(token[:ROW].ljust(ROW, PAD) for token in table), dtype=np.uint8).reshape(-1, ROW)
+    starts_char = (byte_len == 0) | ((rows[:, 0] & 0xC0) != 0x80)
+    slow = (byte_len > ROW) | np.array([PAD in token for token in table])
+    flag = (special * SPECIAL + starts_char * STARTS_CHAR + slow * SLOW).astype(np.uint8)
+    return rows.copy(), flag
 
 
 def _verified(profile: VocabProfile, backend: Tokenizer) -> VocabProfile:

@@ -6,32 +6,34 @@
   stripped, as its decoder does); invalid UTF-8 raises `UndecodableTextError`.
 - Destination ids are the destination's own encoding of the text without special tokens, with
   literal special-token strings kept as text (`encode_special_tokens`), no truncation, no padding.
-- Fast path: when the destination's token bytes spell the text exactly (after at most SentencePiece's
-  one dummy-prefix space), boundaries are cumulative byte lengths and the encode skips offset
-  tracking. Otherwise (a normalizer changed characters, e.g. Qwen2's NFC) the text is encoded again
-  with offsets into the original text, which stay exact.
+- Completions are retokenized a batch at a time: one batch encode without offsets, then, for every
+  completion whose destination token bytes spell its text exactly (after at most SentencePiece's one
+  dummy-prefix space), one batch alignment by cumulative byte lengths (`spans.py`). The others (a
+  normalizer changed characters, e.g. Qwen2's NFC on a non-NFC text) take `fallback.py`, whose
+  results are exact too.
+- A failure belongs to its completion: it is returned in that completion's place, never raised.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from array import array
 from dataclasses import dataclass
 
 import numpy as np
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Tokenizer
 
-from tokenbridge.align import (
-    Groups,
-    SpanAlignment,
-    align,
-    align_normalized,
-    char_start_mask,
-    chars_before,
-    offset_starts,
+from tokenbridge.align import Groups, SpanAlignment, chars_before, char_start_mask
+from tokenbridge.errors import (
+    AlignmentError,
+    BridgeError,
+    EmptyCompletionError,
+    SpecialTokenError,
+    UndecodableTextError,
 )
-from tokenbridge.errors import AlignmentError, EmptyCompletionError, SpecialTokenError, UndecodableTextError
-from tokenbridge.profile import VocabProfile
+from tokenbridge.fallback import slow_span, with_eos
+from tokenbridge.encoders import Encoders
+from tokenbridge.profile import SPECIAL, Spelled, VocabProfile
+from tokenbridge.spans import Laid, Side, align_laid, drop_leading
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,20 +47,15 @@ class Aligned:
     eos: bool
 
 
-_ENCODERS: dict[str, Tokenizer] = {}  # fingerprint -> private encoder, shared by all bridges to that tokenizer
+@dataclass(slots=True, eq=False)
+class Source:
+    """One completion's source side, ready to encode."""
 
-
-def private_encoder(backend: Tokenizer, profile: VocabProfile) -> Tokenizer:
-    """A copy of a destination backend that keeps literal special-token text as text and never truncates
-    or pads; the caller's tokenizer object is left untouched."""
-    encoder = _ENCODERS.get(profile.fingerprint)
-    if encoder is None:
-        encoder = Tokenizer.from_str(backend.to_str())
-        encoder.encode_special_tokens = True
-        encoder.no_truncation()
-        encoder.no_padding()
-        _ENCODERS[profile.fingerprint] = encoder
-    return encoder
+    ids: np.ndarray  # (n,) int64, validated, end tokens included
+    n_end: int  # trailing end tokens
+    raw: bytes  # UTF-8 of the text
+    drop: int  # 1 if a dummy-prefix space was dropped in front of raw
+    text: str
 
 
 def _frozen(aligned: Aligned) -> Aligned:
@@ -67,10 +64,6 @@ def _frozen(aligned: Aligned) -> Aligned:
     for array_ in (aligned.dst_ids, span.src_group, span.dst_group, groups.src, groups.dst, groups.chars):
         array_.flags.writeable = False
     return aligned
-
-
-def _int64(values: list[int]) -> np.ndarray:
-    return np.frombuffer(array("q", values), dtype=np.int64)  # ~2x faster than np.array(list)
 
 
 def _stripped(profile: VocabProfile, raw: bytes, starts: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -92,17 +85,16 @@ def identity(profile: VocabProfile, ids: np.ndarray) -> Aligned:
     return _frozen(Aligned(text, ids.copy(), span, np.ones(len(ids)), bool(int(ids[-1]) in profile.end_ids)))
 
 
-def split_eos(profile: VocabProfile, ids: np.ndarray, dst_eos_id: int | None) -> tuple[np.ndarray, int]:
-    """Body ids and the number of trailing end tokens; raises on any other special token."""
-    special = profile.special[ids]
+def split_eos(profile: VocabProfile, ids: np.ndarray, special: np.ndarray, dst_eos_id: int | None) -> int:
+    """The number of trailing end tokens; raises on any other special token. special: (n,) the ids' flags."""
     if not special.any():
-        return ids, 0
+        return 0
     n_end = 0
     while n_end < len(ids) and int(ids[len(ids) - 1 - n_end]) in profile.end_ids:
         n_end += 1
-    body = ids[: len(ids) - n_end]
-    if special[: len(body)].any():
-        pos = int(np.argmax(special[: len(body)]))
+    n_body = len(ids) - n_end
+    if special[:n_body].any():
+        pos = int(np.argmax(special[:n_body]))
         raise SpecialTokenError(
             f"src_ids[{pos}] = {int(ids[pos])} is a special token inside the completion; only trailing end"
             " tokens (EOS) can cross the bridge"
@@ -111,109 +103,162 @@ def split_eos(profile: VocabProfile, ids: np.ndarray, dst_eos_id: int | None) ->
         raise SpecialTokenError(
             "the completion ends with EOS but the destination tokenizer has no EOS token; pass Bridge(dst_eos_id=...)"
         )
-    return body, n_end
+    return n_end
 
 
-def source_text(profile: VocabProfile, body: np.ndarray) -> tuple[bytes, str, np.ndarray]:
-    """(UTF-8 bytes, text, (n,) start byte of each token) of the completion body."""
-    raw, starts = _stripped(profile, *profile.gather(body))
+def retokenize_many(
+    src: VocabProfile, dst: VocabProfile, encoders: Encoders, batch: list[np.ndarray], dst_eos_id: int | None
+) -> list[Aligned | BridgeError]:
+    """Align each validated, non-empty source id array onto the destination's encoding of its text."""
+    firsts = _running([len(run) for run in batch])
+    spelled = src.spell(batch[0] if len(batch) == 1 else np.concatenate(batch))
+    results: dict[int, Aligned | BridgeError] = {}
+    texts: list[tuple[int, Source]] = []
+    for k, source in enumerate(_sources(src, spelled, firsts, batch, dst_eos_id)):
+        if isinstance(source, BridgeError):
+            results[k] = source
+        elif source.raw:
+            texts.append((k, source))
+        elif source.n_end:
+            results[k] = _eos_only(len(source.ids), dst_eos_id)
+        else:
+            results[k] = EmptyCompletionError("src_ids decode to empty text and carry no EOS: there is nothing to bridge")
+    if not texts:
+        return [results[k] for k in range(len(batch))]
+    lists = encoders.ids([source.text for _, source in texts])
+    fast: list[int] = []  # indices into texts of the completions whose destination tokens spell their text
+    if dst.exact:
+        dst_side, shifts = _dst_side(dst, lists, texts, dst_eos_id)
+        fast = [i for i, shift in enumerate(shifts) if shift is not None]
+    for i in sorted(set(range(len(texts))) - set(fast)):
+        k, source = texts[i]
+        try:
+            results[k] = _slow(src, dst, encoders.full, source, lists[i], dst_eos_id)
+        except BridgeError as exc:
+            results[k] = exc
+    if fast:
+        if len(fast) < len(batch):  # the sides must hold exactly the completions that go on
+            kept = [batch[texts[i][0]] for i in fast]
+            spelled, firsts = src.spell(np.concatenate(kept)), _running([len(run) for run in kept])
+            dst_side = _dst_side(dst, [lists[i] for i in fast], [texts[i] for i in fast], dst_eos_id)[0]
+        laid = _laid(spelled, firsts, dst_side, [texts[i][1] for i in fast], [shifts[i] for i in fast])
+        for i, piece in zip(fast, align_laid(src, dst, laid)):
+            k, source = texts[i]
+            results[k] = Aligned(source.text, piece.dst_ids, piece.span, piece.n_dst_per_group, bool(source.n_end))
+    return [results[k] for k in range(len(batch))]
+
+
+def _running(counts: list[int]) -> list[int]:
+    """(K+1,) where each run starts when laid end to end, then the total."""
+    firsts = [0]
+    for count in counts:
+        firsts.append(firsts[-1] + count)
+    return firsts
+
+
+def _sources(
+    src: VocabProfile, spelled: Spelled, firsts: list[int], batch: list[np.ndarray], dst_eos_id: int | None
+) -> list[Source | BridgeError]:
+    """Each completion's text, cut from the batch's bytes (end tokens have none)."""
+    special = (spelled.flags & SPECIAL).view(bool) if spelled.any_flags & SPECIAL else None
+    at = [0, len(spelled.raw)] if len(batch) == 1 else spelled.bounds[firsts].tolist()
+    out: list[Source | BridgeError] = []
+    for k, ids in enumerate(batch):
+        try:
+            n_end = 0 if special is None else split_eos(src, ids, special[firsts[k] : firsts[k + 1]], dst_eos_id)
+            raw = spelled.raw if len(batch) == 1 else spelled.raw[at[k] : at[k + 1]]
+            drop = int(src.strips_leading_space and raw[:1] == b" ")
+            if drop:
+                raw = raw[1:]
+            out.append(Source(ids, n_end, raw, drop, _decoded(raw)))
+        except BridgeError as exc:
+            out.append(exc)
+    return out
+
+
+def _decoded(raw: bytes) -> str:
     try:
-        return raw, raw.decode("utf-8"), starts
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UndecodableTextError(
             f"source ids decode to invalid UTF-8 at byte {exc.start} of {len(raw)} (completion cut inside a character?)"
         ) from None
 
 
-def retokenize(
-    src: VocabProfile, dst: VocabProfile, encoder: Tokenizer, ids: np.ndarray, dst_eos_id: int | None
-) -> Aligned:
-    """Align source ids (validated, non-empty) onto the destination's encoding of their text."""
-    body, n_end = split_eos(src, ids, dst_eos_id)
-    raw, text, src_starts = source_text(src, body)
-    if not raw:
-        if not n_end:
-            raise EmptyCompletionError("src_ids decode to empty text and carry no EOS: there is nothing to bridge")
-        return _eos_only(len(ids), dst_eos_id)
-    ids_list = encoder.encode_batch_fast([text], add_special_tokens=False)[0].ids
-    if not ids_list:
-        raise AlignmentError(f"the destination tokenizer encodes the {len(text)}-character completion as no tokens")
-    dst_ids = _int64(ids_list)
-    char_starts = char_start_mask(raw)
-    dst_raw, dst_starts = dst.gather(dst_ids)
-    shift = len(dst_raw) - len(raw)
-    dummy_prefix = shift == 1 and dst.strips_leading_space and dst_raw[:1] == b" "
-    if dst.exact and (shift == 0 or dummy_prefix) and dst_raw.endswith(raw):
-        if shift:
-            dst_starts -= 1
-            np.maximum(dst_starts, 0, out=dst_starts)
-        span = align(src_starts, dst_starts, None, len(raw), char_starts)
-    elif dst.exact and dst.unicode_form and not dst.strips_leading_space:
-        span = _align_normalized(dst.unicode_form, raw, dst_raw, src_starts, dst_starts, char_starts)
+def _dst_side(
+    dst: VocabProfile, lists: list[list[int]], texts: list[tuple[int, Source]], dst_eos_id: int | None
+) -> tuple[Side, list[int | None]]:
+    """The destination runs laid end to end (each with its EOS if its source had end tokens), and for each
+    run 0 or 1 (a dummy-prefix space in front) if its tokens spell its text, else None."""
+    flat: list[int] = []
+    firsts, ends = [0], []
+    for ids, (_, source) in zip(lists, texts):
+        flat += ids
+        if source.n_end:
+            ends.append(len(flat))
+            flat.append(dst_eos_id)
+        firsts.append(len(flat))
+    ids_array = np.frombuffer(array("I", flat), dtype=np.uint32).astype(np.int64)  # the fastest list -> array
+    guard = dst.text_guard if dst.exact else None  # if it holds, comparing lengths is comparing bytes
+    by_length = guard is not None and all(guard(source.text) for _, source in texts)
+    spelled = dst.spell(ids_array, ends, text=not by_length)  # an EOS stands for no text, even a text token
+    at = spelled.bounds[firsts].tolist()
+    if by_length:
+        shifts = [_shift(dst, b - a - len(source.raw)) for a, b, (_, source) in zip(at, at[1:], texts)]
     else:
-        encoding = encoder.encode(text, add_special_tokens=False)
-        span = _align_by_offsets(encoding, src_starts, raw, char_starts, dst.composes)
-    if n_end:
-        span, dst_ids = _with_eos(span, dst_ids, n_end, dst_eos_id)
-    return _frozen(Aligned(text, dst_ids, span, np.diff(span.groups.dst).astype(np.float64), bool(n_end)))
+        raw_all = spelled.raw
+        shifts = [_spelled(dst, raw_all[a:b] if len(lists) > 1 else raw_all, source.raw)
+                  for a, b, (_, source) in zip(at, at[1:], texts)]
+    return Side(ids_array, spelled.bounds, firsts, ends, spelled.flags, spelled.any_flags), shifts
 
 
-def _separable_positions(raw: bytes) -> np.ndarray:
-    """Byte positions where any Unicode normalisation splits: the ends, and before every ASCII character
-    (ASCII has combining class 0 and is never the second half of a composition)."""
-    mask = np.empty(len(raw) + 1, dtype=bool)
-    np.less(np.frombuffer(raw, dtype=np.uint8), 0x80, out=mask[:-1])
-    mask[0] = mask[-1] = True
-    return np.flatnonzero(mask)
+def _shift(dst: VocabProfile, extra: int) -> int | None:
+    """The dummy-prefix shift that `extra` destination bytes mean, under the text guard; None if no shift can."""
+    if extra == 0:
+        return 0
+    return 1 if extra == 1 and dst.strips_leading_space else None
 
 
-def _align_normalized(
-    form: str, raw: bytes, dst_raw: bytes, src_starts: np.ndarray, dst_starts: np.ndarray, char_starts
-) -> SpanAlignment:
-    """The destination tokenized unicodedata.normalize(form, text): map separable positions into the
-    normalised text (normalising only the non-ASCII runs), check it is byte-identical, then align."""
-    safe = _separable_positions(raw)
-    seg_len = np.diff(safe)
-    norm_len = seg_len.copy()
-    pieces, last = [], 0
-    for k in np.flatnonzero(seg_len > 1).tolist():  # segments holding non-ASCII bytes (one ASCII byte otherwise)
-        a, b = int(safe[k]), int(safe[k + 1])
-        piece = unicodedata.normalize(form, raw[a:b].decode("utf-8")).encode("utf-8")
-        pieces += [raw[last:a], piece]
-        norm_len[k], last = len(piece), b
-    pieces.append(raw[last:])
-    if b"".join(pieces) != dst_raw:
-        raise AlignmentError(f"the destination's tokens do not spell the {form}-normalised completion; cannot align")
-    safe_norm = np.zeros(len(safe), dtype=np.int64)
-    np.cumsum(norm_len, out=safe_norm[1:])
-    return align_normalized(src_starts, dst_starts, safe, safe_norm, len(dst_raw), char_starts)
+def _spelled(dst: VocabProfile, dst_raw: bytes, raw: bytes) -> int | None:
+    """0 or 1 (a dummy-prefix space in front) if the destination bytes spell `raw`, else None."""
+    if dst_raw == raw:
+        return 0
+    if dst.strips_leading_space and len(dst_raw) == len(raw) + 1 and dst_raw[:1] == b" " and dst_raw.endswith(raw):
+        return 1
+    return None
 
 
-def _align_by_offsets(encoding: Encoding, src_starts, raw: bytes, char_starts, composes: bool) -> SpanAlignment:
-    """Last resort: the destination's own character offsets. A normaliser that composes or reorders
-    characters can blur them, so then only separable positions may be cuts."""
-    offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-    dst_starts, dst_cut = offset_starts(offsets, char_starts, len(raw))
-    if composes:
-        separable = np.zeros(len(raw) + 1, dtype=bool)
-        separable[_separable_positions(raw)] = True
-        dst_cut &= separable[dst_starts]
-    return align(src_starts, dst_starts, dst_cut, len(raw), char_starts)
+def _laid(spelled: Spelled, firsts: list[int], dst: Side, sources: list[Source], shifts: list) -> Laid:
+    """The fast completions end to end, both sides in text bytes (dropped leading spaces taken out)."""
+    drop = [source.drop for source in sources]
+    bounds = spelled.bounds
+    if any(drop):
+        drop_leading(bounds, firsts, drop)
+    if any(shifts):
+        drop_leading(dst.bounds, dst.firsts, shifts)
+    ends = [end - source.n_end for end, source in zip(firsts[1:], sources) if source.n_end]
+    ids = sources[0].ids if len(sources) == 1 else np.concatenate([source.ids for source in sources])
+    src = Side(ids, bounds, firsts, ends, spelled.flags, spelled.any_flags)
+    raw = sources[0].raw if len(sources) == 1 else b"".join(source.raw for source in sources)
+    byte_firsts = _running([len(source.raw) for source in sources])
+    return Laid(src, dst, raw, byte_firsts, [len(source.text) for source in sources], drop)
 
 
-def _with_eos(
-    span: SpanAlignment, dst_ids: np.ndarray, n_end: int, dst_eos_id: int
-) -> tuple[SpanAlignment, np.ndarray]:
-    """Append the EOS group: n_end source end tokens -> one destination EOS, zero characters."""
-    g, groups = len(span.groups), span.groups
-    eos_groups = Groups(
-        src=np.append(groups.src, groups.src[-1] + n_end),
-        dst=np.append(groups.dst, groups.dst[-1] + 1),
-        chars=np.append(groups.chars, groups.chars[-1]),
-    )
-    src_group = np.concatenate([span.src_group, np.full(n_end, g, dtype=np.int64)])
-    eos_span = SpanAlignment(src_group, np.append(span.dst_group, g), eos_groups, span.residual)
-    return eos_span, np.append(dst_ids, np.int64(dst_eos_id))
+def _slow(
+    src: VocabProfile, dst: VocabProfile, encoder: Tokenizer, source: Source, dst_list: list[int], dst_eos_id
+) -> Aligned:
+    if not dst_list:
+        raise AlignmentError(
+            f"the destination tokenizer encodes the {len(source.text)}-character completion as no tokens"
+        )
+    body = source.ids[: len(source.ids) - source.n_end]
+    raw, src_starts = _stripped(src, *src.gather(body))
+    dst_ids = np.array(dst_list, dtype=np.int64)
+    span = slow_span(dst, encoder, raw, source.text, src_starts, dst_ids)
+    if source.n_end:
+        span, dst_ids = with_eos(span, dst_ids, source.n_end, dst_eos_id)
+    n_dst_per_group = np.diff(span.groups.dst).astype(np.float64)
+    return _frozen(Aligned(source.text, dst_ids, span, n_dst_per_group, bool(source.n_end)))
 
 
 def _eos_only(n_src: int, dst_eos_id: int) -> Aligned:

@@ -1,0 +1,137 @@
+"""The destination encoders a bridge uses: private copies of the destination's Rust tokenizer, tuned
+for the one thing the bridge asks of them, token ids of a completion's text.
+
+- Literal special-token text stays text (`encode_special_tokens`), no truncation, no padding.
+- No post-processor: without special tokens it only adjusts offsets, which the bridge never reads
+  (dropped only when the probe texts confirm the ids do not change).
+- A normalizer made only of literal Replace steps, `\\A`-anchored literal Replace steps and Prepend
+  (SentencePiece conversions: " " -> U+2581, a leading U+2581 doubled) is applied in Python with
+  str.replace, which is what those steps do, and `plain` encodes the result without normalizer: the
+  Rust normalizer tracks every character's alignment, a cost (a fifth of Mistral's encode) the ids
+  do not depend on. Other normalizers (NFC, ...) stay inside `plain`.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from tokenizers import Tokenizer
+
+from tokenbridge.profile import PROBE_TEXTS, VocabProfile
+
+CHECK_TEXTS = PROBE_TEXTS + (" x", "  x", "\u2581x", "x \u2581 y", "", "caf\u00e9 na\u00efve \u00c5 \ufb01 \ud55c\uad6d\uc5b4 \u1e69")
+
+
+@dataclass(frozen=True, eq=False)
+class Encoders:
+    """`full` encodes any text as the destination does (and gives offsets, for the slow paths);
+    `plain(normalize(text))` gives the same ids faster, for every text that `plain_ok` accepts."""
+
+    full: Tokenizer
+    plain: Tokenizer
+    normalize: Callable[[str], str]
+    plain_ok: Callable[[str], bool]
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """The destination's ids of each text, without special tokens: one batch encode, no offsets."""
+        if all(map(self.plain_ok, texts)):
+            encodings = self.plain.encode_batch_fast([self.normalize(text) for text in texts], add_special_tokens=False)
+        else:
+            encodings = self.full.encode_batch_fast(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+
+_ENCODERS: dict[str, Encoders] = {}  # fingerprint -> encoders, shared by all bridges to that tokenizer
+
+
+def encoders_for(backend: Tokenizer, profile: VocabProfile) -> Encoders:
+    """The (cached) encoders of a destination backend; the caller's tokenizer object is left untouched."""
+    encoders = _ENCODERS.get(profile.fingerprint)
+    if encoders is None:
+        full = _private_copy(backend)
+        plain, normalize, plain_ok = _without_normalizer(full)
+        encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize, plain_ok)
+    return encoders
+
+
+def _private_copy(backend: Tokenizer) -> Tokenizer:
+    encoder = Tokenizer.from_str(backend.to_str())
+    encoder.encode_special_tokens = True
+    encoder.no_truncation()
+    encoder.no_padding()
+    before = _probe_ids(encoder)
+    encoder.post_processor = None
+    if _probe_ids(encoder) != before:
+        encoder.post_processor = backend.post_processor
+    return encoder
+
+
+def _without_normalizer(full: Tokenizer) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
+    """(plain, normalize, plain_ok): a copy without the normalizer, what it did in Python, and the texts
+    for which that holds; when the probes agree. Else (full, identity, always)."""
+    config = json.loads(full.to_str())
+    normalizer = config.get("normalizer")
+    if normalizer == {"type": "NFC"}:
+        normalize, plain_ok = _identity, partial(unicodedata.is_normalized, "NFC")
+    else:
+        normalize, plain_ok = _literal_normalizer(normalizer), _always
+    if normalize is None or normalizer is None:
+        return full, _identity, _always
+    config["normalizer"] = None
+    plain = Tokenizer.from_str(json.dumps(config))
+    plain.encode_special_tokens = True
+    texts = [text for text in CHECK_TEXTS if plain_ok(text)]
+    if _probe_ids(plain, texts, normalize) != _probe_ids(full, texts):
+        return full, _identity, _always
+    return plain, normalize, plain_ok
+
+
+def _probe_ids(encoder: Tokenizer, texts=CHECK_TEXTS, normalize: Callable[[str], str] | None = None) -> list[list[int]]:
+    texts = [normalize(text) if normalize else text for text in texts]
+    return [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def _identity(text: str) -> str:
+    return text
+
+
+def _always(text: str) -> bool:
+    return True
+
+
+def _literal_normalizer(normalizer: dict | None) -> Callable[[str], str] | None:
+    """The normalizer as a Python function, if every step is a literal replacement; else None."""
+    if normalizer is None:
+        return _identity
+    parts = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+    steps = [_literal_step(part) for part in parts]
+    if any(step is None for step in steps):
+        return None
+
+    def normalize(text: str) -> str:
+        for step in steps:
+            text = step(text)
+        return text
+
+    return normalize
+
+
+def _literal_step(part: dict) -> Callable[[str], str] | None:
+    kind, pattern, content = part.get("type"), part.get("pattern", {}), part.get("content", "")
+    if kind == "Prepend" and part.get("prepend"):
+        prefix = part["prepend"]
+        return lambda text: prefix + text if text else text
+    if kind != "Replace":
+        return None
+    if pattern.get("String"):
+        old = pattern["String"]
+        return lambda text: text.replace(old, content)
+    regex = pattern.get("Regex", "")
+    literal = regex[2:]
+    if regex.startswith("\\A") and literal and all(ch.isalnum() or ch in " \u2581" for ch in literal):
+        return lambda text: content + text[len(literal):] if text.startswith(literal) else text
+    return None
