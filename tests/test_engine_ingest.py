@@ -72,3 +72,18 @@ def test_a_regenerated_unit_keeps_the_first_copy_of_each_sample(ingest):
     assert list(inbox.complete).count(9) == 1
     own, peers, misses = inbox.take([9], ["llama"])
     assert [s.reward for s in own] == [1.0, 0.0] and [p.reward for p in peers] == [1.0, 0.0] and misses == 0
+
+
+def test_a_batch_of_peer_completions_crosses_the_thl_together_and_one_bad_one_costs_nothing(ingest):
+    inbox, own_tok, peer_tok = ingest
+    good = [_exp("llama", peer_tok, 20, k) for k in range(G)]
+    bad = _exp("llama", peer_tok, 21, 0)
+    bad.completion_ids = pack_ids([10**8])  # no such token in the peer's vocabulary: the THL refuses it
+    failures = inbox.failures
+    inbox.add_many([*good, bad])
+    assert inbox.failures == failures + 1
+    bridged = inbox.peers[20]
+    one_by_one = [inbox.bridges["llama"](e.completion_array, logprobs=e.logprob_array) for e in good]
+    assert [list(p.completion_ids) for p in bridged] == [list(b.dst_ids) for b in one_by_one]
+    assert [list(p.behaviour_logprobs) for p in bridged] == [list(b.dst_logprobs) for b in one_by_one]
+    assert inbox.peers_complete([20], ["llama"])

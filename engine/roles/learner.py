@@ -43,6 +43,7 @@ from policies.objectives import peer_need
 from tokenbridge import load_tokenizer
 
 STOP, REGROUP, BROKEN, FINISHED = "stop", "regroup", "broken", "finished"
+MAX_INGEST_BATCH = 256  # experiences bridged at once: bounds how long one ingest holds the event loop
 
 
 @dataclass
@@ -102,11 +103,10 @@ class LearnerCore:
         self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version, **self.warm)
 
     async def _listen(self) -> None:
-        while True:
-            msg = await self.sub.recv()
-            if isinstance(msg, Experience):
-                self.ingest.add(msg)
-                self.worker.inbox.changed.set()
+        while True:  # what has arrived meanwhile comes as one batch: its peer completions cross the THL together
+            msgs = await self.sub.recv_batch(MAX_INGEST_BATCH)
+            self.ingest.add_many([m for m in msgs if isinstance(m, Experience)])
+            self.worker.inbox.changed.set()
 
     def check(self) -> None:
         self.worker.check_listener()

@@ -36,14 +36,28 @@ class Ingest:
         self.last_popped: list[OwnSample] = []
 
     def add(self, exp: Experience) -> None:
-        key = (exp.model, exp.prompt_id, exp.sample_index)
-        if key in self.seen:
-            return
-        self.seen.add(key)
-        if exp.model == self.spec.name:
-            self._add_own(exp)
-        elif exp.model in self.bridges:
-            self._add_peer(exp)
+        self.add_many([exp])
+
+    def add_many(self, exps: list[Experience]) -> None:
+        """Take what arrived; the peer completions waiting from each peer cross the THL in one batch."""
+        waiting: dict[str, list[Experience]] = {}
+        for exp in exps:
+            key = (exp.model, exp.prompt_id, exp.sample_index)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            if exp.model == self.spec.name:
+                self._add_own(exp)
+            elif exp.model in self.bridges:
+                if exp.prompt_id in self.consumed:
+                    self.late += 1
+                    continue
+                self.peer_counts[(exp.model, exp.prompt_id)] += 1
+                waiting.setdefault(exp.model, []).append(exp)
+        for model, peers in waiting.items():
+            bridged = self.bridges[model].batch([e.completion_array for e in peers], [e.logprob_array for e in peers])
+            for exp, out in zip(peers, bridged):
+                self._add_peer(exp, out)
 
     def _add_own(self, exp: Experience) -> None:
         group = self.own.setdefault(exp.prompt_id, [])
@@ -55,14 +69,8 @@ class Ingest:
         if len(group) == exp.group_size:
             self.complete.append(exp.prompt_id)
 
-    def _add_peer(self, exp: Experience) -> None:
-        if exp.prompt_id in self.consumed:
-            self.late += 1
-            return
-        self.peer_counts[(exp.model, exp.prompt_id)] += 1
-        try:
-            bridged = self.bridges[exp.model](exp.completion_array, logprobs=exp.logprob_array)
-        except BridgeError:
+    def _add_peer(self, exp: Experience, bridged) -> None:
+        if isinstance(bridged, BridgeError):
             self.failures += 1  # counted, reported in metrics; the sample is not used
             return
         self.peers.setdefault(exp.prompt_id, []).append(PeerSample(
