@@ -8,7 +8,6 @@ in policies/OBJECTIVES.md. Shared pieces live in ``advantages`` (group statistic
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -27,12 +26,12 @@ from policies.objective_config import (
 from policies.registry import (Objective, PeerNeed, Stats, compute_loss, get_objective, objective_names, peer_need,
                                register_objective)
 from policies.surrogate import (
-    LOG_RATIO_CLAMP,
     aggregate,
     behaviour_weight,
+    capped_weight,
     clipped_surrogate,
     k3_kl,
-    masked_log_ratio,
+    masked_log_diff,
     masked_mean,
 )
 
@@ -130,6 +129,9 @@ def xgrpo_objective(*, batch: ObjectiveBatch, config: XGRPOConfig, rng: torch.Ge
         baseline_shift_mean=_mean_where(adv.baseline - adv.own_moments.mean, both),
         scale_mean=_mean_where(adv.scale, has_own),
         peer_reward_groups=float(both.sum()),
+        # groups with no fresh peer reward: the baseline fell back to the own rewards alone
+        baseline_fallback_groups=float((has_own & (peer_count == 0)).sum()),
+        baseline_fallback_frac=_mean_where((peer_count == 0).to(adv.scale.dtype), has_own),
         peer_staleness_dropped=float(peer.dropped),
     )
     return _finish(term.pg, term.kl, config, stats)
@@ -145,7 +147,7 @@ def prp_weights(
     "token" (whose weight is that of its THL aligned group).
     """
     P, T2 = mask.shape
-    log_r = masked_log_ratio(recv_logp.detach(), peer_behav_logp.detach(), mask)  # (P, T2)
+    log_r = masked_log_diff(recv_logp.detach(), peer_behav_logp.detach(), mask)  # (P, T2), capped after the sum
     lengths = mask.sum(dim=1)
     if variant == "sequence":
         log_w = log_r.sum(dim=1, keepdim=True).expand(P, T2)
@@ -159,9 +161,7 @@ def prp_weights(
         log_w = sums[slot]
     else:
         raise ValueError(f"PRP variant must be 'sequence', 'length_norm' or 'token', got {variant!r}")
-    log_cap = math.log(cap)
-    weight = log_w.clamp(max=min(log_cap, LOG_RATIO_CLAMP)).exp()
-    truncated = log_w > log_cap
+    weight, truncated = capped_weight(log_w, cap)
     if variant == "token":
         keep = mask > 0
         return weight, weight[keep], truncated[keep]

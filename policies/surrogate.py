@@ -7,8 +7,10 @@ policy that anchors the trust region are separate. Per token
     iw    = min(pi_prox / pi_behav, cap)            (detached, truncated)
     loss  = iw * max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
 
-Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp so padding garbage or a wildly
-stale sample can never produce inf/NaN.
+Per-token log-ratios are clamped to +-LOG_RATIO_CLAMP before exp so padding garbage or a
+wildly stale sample can never produce inf/NaN. A weight over a whole sequence (PRP) sums the
+unclamped log-ratios first and caps the sum (``capped_weight``): clamping each token before
+summing would let one very unlikely token be outvoted by a few likely ones.
 """
 
 from __future__ import annotations
@@ -36,11 +38,25 @@ def masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
     return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def masked_log_diff(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    """log(num / den) on masked tokens, 0 elsewhere, not clamped (detached inputs are finite: the codec rejects inf)."""
+    return torch.where(mask > 0, num - den, torch.zeros_like(num))
+
+
+def capped_weight(log_w: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """min(exp(log_w), cap), exactly ``cap`` where truncated (exp(log cap) can miss it by an ulp), and where.
+
+    With an infinite cap, log_w is still clamped at LOG_RATIO_CLAMP so the weight stays finite.
+    """
+    truncated = log_w > math.log(cap)
+    weight = log_w.clamp(max=LOG_RATIO_CLAMP).exp()
+    return torch.where(truncated, torch.full_like(weight, cap), weight), truncated
+
+
 def behaviour_weight(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     """Detached decoupled importance weight min(pi_prox / pi_behav, cap) (B, T), and where it was truncated."""
-    log_w = masked_log_ratio(prox_logp.detach(), behav_logp.detach(), mask)
-    truncated = (log_w > math.log(cap)) & (mask > 0)
-    return log_w.clamp(max=math.log(cap)).exp(), truncated
+    weight, truncated = capped_weight(masked_log_ratio(prox_logp.detach(), behav_logp.detach(), mask), cap)
+    return weight, truncated & (mask > 0)
 
 
 def clipped_surrogate(

@@ -293,3 +293,49 @@ def test_bad_batch_shapes_name_the_field():
     b = make_batch(logp, logp, torch.ones(3, 4), torch.zeros(3), torch.tensor([0, 1, 2]), 2)
     with pytest.raises(ValueError, match="ObjectiveBatch.group"):
         compute_loss(b, GRPOConfig(), rng())
+
+
+@pytest.mark.parametrize("variant,expected", [("sequence", torch.tensor(-3.0, dtype=DT).exp()),
+                                              ("length_norm", torch.tensor(-3.0 / 12, dtype=DT).exp())])
+def test_prp_caps_the_summed_log_ratio_not_each_token(variant, expected):
+    """One token at -25 and eleven at +2: w = exp(-3) (or exp(-3/12)), not the cap a per-token clamp would give."""
+    from policies.objectives import prp_weights
+
+    log_r = torch.tensor([[-25.0] + [2.0] * 11], dtype=DT)
+    recv = torch.zeros(1, 12, dtype=DT)
+    mask = torch.ones(1, 12, dtype=DT)
+    align = torch.arange(12)[None]
+    w, unit_w, truncated = prp_weights(recv, recv - log_r, mask, align, variant, cap=5.0)
+    assert unit_w.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert not truncated.any()
+    assert torch.all(w == unit_w.item())
+
+
+def test_prp_and_behaviour_weights_equal_the_cap_exactly_when_truncated():
+    from policies.objectives import prp_weights
+    from policies.surrogate import behaviour_weight
+
+    mask = torch.ones(2, 3, dtype=DT)
+    _, unit_w, truncated = prp_weights(torch.zeros(2, 3, dtype=DT), torch.full((2, 3), -4.0, dtype=DT), mask,
+                                       torch.arange(3).expand(2, 3), "sequence", cap=5.0)
+    assert truncated.all() and torch.all(unit_w == 5.0)  # not 4.999999999999999
+    iw, iw_truncated = behaviour_weight(torch.zeros(2, 3, dtype=DT), torch.full((2, 3), -4.0, dtype=DT), mask, 5.0)
+    assert iw_truncated.all() and torch.all(iw == 5.0)
+    inf_w, _, inf_truncated = prp_weights(torch.zeros(1, 2, dtype=DT), torch.full((1, 2), -400.0, dtype=DT),
+                                          torch.ones(1, 2, dtype=DT), torch.arange(2)[None], "sequence", float("inf"))
+    assert torch.isfinite(inf_w).all() and not inf_truncated.any()
+
+
+def test_xgrpo_counts_groups_whose_baseline_fell_back_to_own_rewards():
+    G, T = 2, 3
+    logp = torch.zeros(2 * G, T, dtype=DT, requires_grad=True)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=DT)
+    group = torch.tensor([0, 0, 1, 1])
+    peer = torch.zeros(1, T, dtype=DT)  # one peer reward, on group 1 only
+    b = make_batch(logp, logp.detach(), torch.ones(2 * G, T, dtype=DT), rewards, group, 2, peer_logp=peer,
+                   peer_behav=peer, peer_mask=torch.ones(1, T, dtype=DT), peer_rewards=torch.tensor([1.0], dtype=DT),
+                   peer_group=torch.tensor([1]))
+    for cfg in (XGRPOConfig(), XGRPOConfig(leave_own_out=True)):
+        _, stats = compute_loss(b, cfg, rng())
+        assert stats["baseline_fallback_groups"] == 1.0 and stats["baseline_fallback_frac"] == 0.5
+        assert stats["peer_reward_groups"] == 1.0
