@@ -152,3 +152,27 @@ def test_launch_refuses_a_malformed_task_file(tmp_path):
     assert "line 2" in result.stderr and str(data) in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_set_objective_kind_switches_from_the_files_kind(capsys):
+    for kind in ("grpo", "xgrpo", "prp", "sgt"):
+        cfg = load_run_config(ROOT / "configs/default.toml", [f"objective.kind={kind}", "train.steps=50"])
+        assert cfg.objective.kind == kind and cfg.train.steps == 50
+    assert capsys.readouterr().err.count("default.toml's objective lambda (not a") == 3  # grpo, xgrpo, prp
+    with pytest.raises(ConfigError, match=r"^--set objective.lambda=0.3: objective: unknown field lambda"):
+        load_run_config(ROOT / "configs/default.toml", ["objective.kind=grpo", "objective.lambda=0.3"])
+
+
+def test_readme_run_commands_are_valid_as_written():
+    """Every `python launch.py run ...` line of README's Running section loads and passes pre-flight."""
+    import shlex
+
+    from engine.cli import preflight
+    from launch import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.split("#")[0].strip() for line in readme.splitlines() if line.startswith("python launch.py run")]
+    assert len(commands) >= 3
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command)[2:])
+        preflight(load_run_config(ROOT / args.config, args.overrides))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from engine.config.load import ConfigError, convert, read_tree
+import msgspec
+
+from engine.config.load import ConfigError, Origin, convert, read_tree
 from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spec
 from engine.config.validate import validate
+from policies.registry import get_objective
 
 __all__ = ["ConfigError", "ModelConfig", "RunConfig", "ScriptedMove", "cache_root", "load_run_config", "model_spec",
            "tokenizer_cache"]
@@ -16,7 +20,28 @@ __all__ = ["ConfigError", "ModelConfig", "RunConfig", "ScriptedMove", "cache_roo
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read, override, decode and validate a run config; any problem is one ConfigError."""
     tree, origin = read_tree(path, list(overrides))
+    _switch_objective(tree, origin)
     return validate(convert(tree, RunConfig, origin), origin)
+
+
+def _switch_objective(tree: dict, origin: Origin) -> None:
+    """``--set objective.kind=grpo`` on a file written for another kind: the file's fields that only
+    the other kind has (sgt's ``lambda``) are dropped, and we say so. A flag's own fields are kept,
+    so a misplaced ``--set objective.lambda=...`` is still an error that names the flag."""
+    table = tree.get("objective")
+    if not isinstance(table, dict) or origin.of("objective.kind") == origin.file:
+        return
+    try:
+        config_type, _ = get_objective(str(table.get("kind")))
+    except KeyError:
+        return  # the decoder names the unknown kind
+    known = {f.encode_name for f in msgspec.structs.fields(config_type)} | {"kind"}
+    dropped = [k for k in table if k not in known and origin.of(f"objective.{k}") == origin.file]
+    for key in dropped:
+        del table[key]
+    if dropped:
+        print(f"note: --set objective.kind={table['kind']}: ignoring {origin.file}'s objective "
+              f"{', '.join(dropped)} (not a {table['kind']} setting)", file=sys.stderr)
 
 
 def cache_root(cfg: RunConfig) -> Path:
