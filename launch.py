@@ -3,6 +3,7 @@
     python launch.py                      run the default job (configs/default.toml)
     python launch.py run --config F       run a config (configs/pool.toml: MWRA moving 8 workers live)
     python launch.py cache [--clear]      the cache of warm starts and converted tokenizers
+    python launch.py experiment GRID      a grid of runs (objectives x seeds x models x tasks) and its results
     python launch.py exchange tail ...    watch the live experience stream
     python launch.py exchange stats ...   message rates per topic
 """
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     from exchange import cli as exchange_cli
 
     exchange_cli.add_commands(sub)
+    from experiments import cli as experiment_cli
+
+    experiment_cli.add_commands(sub)
     return parser
 
 

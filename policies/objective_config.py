@@ -70,7 +70,13 @@ class SGTConfig(SurrogateConfig, tag="sgt"):
         _require(self.lam >= 0.0, "lambda", self.lam, "must be >= 0")
 
 
-ObjectiveConfig = Union[GRPOConfig, XGRPOConfig, PRPConfig, SGTConfig]
+class SGTRefConfig(SGTConfig, tag="sgt_ref"):
+    """The answer-key control: SGT's term with the task's reference solution in place of a peer's
+    success, on the same rescue condition (every own sample of the prompt failed). On a task with
+    one correct answer, SGT cannot do better than this; what it does beyond this is what peers add."""
+
+
+ObjectiveConfig = Union[GRPOConfig, XGRPOConfig, PRPConfig, SGTConfig, SGTRefConfig]
 
 
 def _require(ok: bool, field: str, value: object, rule: str) -> None:

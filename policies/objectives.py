@@ -20,6 +20,7 @@ from policies.objective_config import (
     ObjectiveConfig,
     PRPConfig,
     SGTConfig,
+    SGTRefConfig,
     SurrogateConfig,
     XGRPOConfig,
 )
@@ -36,7 +37,7 @@ from policies.surrogate import (
 )
 
 __all__ = [
-    "ObjectiveBatch", "ObjectiveConfig", "GRPOConfig", "XGRPOConfig", "PRPConfig", "SGTConfig",
+    "ObjectiveBatch", "ObjectiveConfig", "GRPOConfig", "XGRPOConfig", "PRPConfig", "SGTConfig", "SGTRefConfig",
     "Objective", "PeerNeed", "compute_loss", "register_objective", "get_objective", "objective_names", "peer_need",
     "select_peers",
     "grpo_objective", "xgrpo_objective", "prp_objective", "sgt_objective", "prp_weights",
@@ -205,9 +206,12 @@ def prp_objective(*, batch: ObjectiveBatch, config: PRPConfig, rng: torch.Genera
     return _finish(pg, term.kl, config, stats)
 
 
+@register_objective("sgt_ref", SGTRefConfig, peers="reference")
 @register_objective("sgt", SGTConfig, peers="rescue")
 def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
-    """SGT: GRPO(own) + lambda * mean over rescue groups of NLL(one uniformly drawn verified peer success)."""
+    """SGT: GRPO(own) + lambda * mean over rescue groups of NLL(one uniformly drawn verified peer success).
+
+    ``sgt_ref`` is the same loss; the engine fills the peer slots with the task's reference solutions."""
     loss, stats = grpo_objective(batch=batch, config=config, rng=rng)
     fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
     peer = _fresh(batch.peer_mask, batch.peer_staleness, config.max_staleness)
@@ -256,7 +260,7 @@ def select_peers(need: PeerNeed, own: list, peers: list) -> list:
     """
     if need == "none":
         return []
-    if need == "rescue":  # only a verified success on a prompt where every own sample failed can matter
+    if need in ("rescue", "reference"):  # only a verified success on a prompt where every own sample failed can matter
         failed = {s.prompt_id for s in own} - {s.prompt_id for s in own if s.verified}
         return [p for p in peers if p.verified and p.prompt_id in failed]
     return list(peers)

@@ -25,7 +25,9 @@ Stats = dict[str, float]
 #   "rewards": peer rewards on the step's prompts, no tokens (XGRPO's pooled baseline)
 #   "rescue":  verified peer successes on prompts where every own sample failed (SGT)
 #   "samples": every bridged peer sample on the step's prompts (PRP)
-PeerNeed = Literal["none", "rewards", "rescue", "samples"]
+#   "reference": no peer at all; the task's reference solution, on prompts where every own
+#                sample failed, in the peer slots (the answer-key control of SGT)
+PeerNeed = Literal["none", "rewards", "rescue", "samples", "reference"]
 
 
 class Objective(Protocol):

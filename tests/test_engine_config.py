@@ -38,7 +38,7 @@ def test_overrides_reach_nested_and_list_fields():
         ("[train]\nlr = 'fast'\n", "train.lr: expected float, got str"),
         ("[train]\nlearning_rate = 0.1\n", "unknown field learning_rate"),
         ("[train]\nlrr = 0.1\n", "train: unknown field lrr (did you mean lr?)"),
-        ("[objective]\nkind = 'ppo'\n", "objective"),
+        ("[objective]\nkind = 'ppo'\n", "objective.kind: unknown kind 'ppo'; known: grpo, prp, sgt, sgt_ref, xgrpo"),
         ("[[models]]\nname = 'a'\narch = 'rnn'\ntokenizer = 'gpt2'\n", "models.0.arch"),
         ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: expected int >= 1, got 0"),
         ("[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "needs >= 2 models"),

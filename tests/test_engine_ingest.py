@@ -9,7 +9,7 @@ import pytest
 from engine.train.ingest import Ingest
 from exchange.protocol import SCHEMA_VERSION, Experience, pack_floats, pack_ids
 from policies.models import ModelSpec
-from tasks.registry import ArithmeticConfig, make_task
+from tasks.registry import ArithmeticConfig, CountdownConfig, make_task
 from tokenbridge import load_tokenizer
 
 G = 2
@@ -87,3 +87,19 @@ def test_a_batch_of_peer_completions_crosses_the_thl_together_and_one_bad_one_co
     assert [list(p.completion_ids) for p in bridged] == [list(b.dst_ids) for b in one_by_one]
     assert [list(p.behaviour_logprobs) for p in bridged] == [list(b.dst_logprobs) for b in one_by_one]
     assert inbox.peers_complete([20], ["llama"])
+
+
+@pytest.mark.parametrize("task_config", [ArithmeticConfig(min_digits=1, max_digits=2, ops=["+"]),
+                                         CountdownConfig(n_numbers=3, max_number=9, max_target=30)])
+def test_reference_samples_are_the_tasks_verified_solution_in_our_tokens(tmp_path, task_config):
+    """The answer-key control (sgt_ref) reads these in the peer slots: each must verify, in the receiver's tokens."""
+    tok = load_tokenizer("mistral", str(tmp_path))
+    task = make_task(task_config)
+    inbox = Ingest(ModelSpec(name="llama", arch="llama", tokenizer="mistral"), tok, {}, task, G)
+    refs = inbox.reference_samples([3, 7, 11])
+    assert [r.prompt_id for r in refs] == [3, 7, 11]
+    for r in refs:
+        assert r.verified and r.reward == 1.0 and r.residual == 0.0 and r.model == "reference"
+        assert r.completion_ids[-1] == tok.eos_token_id and len(r.align) == len(r.completion_ids)
+        text = tok.decode(r.completion_ids, skip_special_tokens=True)
+        assert task.verify(task.problem(r.prompt_id), text).verified

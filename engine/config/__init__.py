@@ -13,35 +13,42 @@ from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spe
 from engine.config.validate import validate
 from policies.registry import get_objective
 
-__all__ = ["ConfigError", "ModelConfig", "RunConfig", "ScriptedMove", "cache_root", "load_run_config", "model_spec",
-           "tokenizer_cache"]
+__all__ = ["ConfigError", "ModelConfig", "Origin", "RunConfig", "ScriptedMove", "cache_root", "config_from_tree",
+           "load_run_config", "model_spec", "tokenizer_cache"]
 
 
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read, override, decode and validate a run config; any problem is one ConfigError."""
-    tree, origin = read_tree(path, list(overrides))
-    _switch_objective(tree, origin)
-    return validate(convert(tree, RunConfig, origin), origin)
+    return config_from_tree(*read_tree(path, list(overrides)))
 
 
-def _switch_objective(tree: dict, origin: Origin) -> None:
+def config_from_tree(tree: dict, origin: Origin, check_machine: bool = True, quiet: bool = False) -> RunConfig:
+    """Decode and validate a parsed config tree; ``check_machine=False`` skips what depends on this machine
+    (checkpoint dirs, a CUDA device): an experiment's ``--dry-run`` plans runs for another machine."""
+    dropped = _switch_objective(tree, origin)
+    if dropped and not quiet:
+        kind = tree["objective"]["kind"]
+        print(f"note: --set objective.kind={kind}: ignoring {origin.file}'s objective {', '.join(dropped)} "
+              f"(not a {kind} setting)", file=sys.stderr)
+    return validate(convert(tree, RunConfig, origin), origin, check_machine)
+
+
+def _switch_objective(tree: dict, origin: Origin) -> list[str]:
     """``--set objective.kind=grpo`` on a file written for another kind: the file's fields that only
     the other kind has (sgt's ``lambda``) are dropped, and we say so. A flag's own fields are kept,
     so a misplaced ``--set objective.lambda=...`` is still an error that names the flag."""
     table = tree.get("objective")
     if not isinstance(table, dict) or origin.of("objective.kind") == origin.file:
-        return
+        return []
     try:
         config_type, _ = get_objective(str(table.get("kind")))
     except KeyError:
-        return  # the decoder names the unknown kind
+        return []  # the decoder names the unknown kind
     known = {f.encode_name for f in msgspec.structs.fields(config_type)} | {"kind"}
     dropped = [k for k in table if k not in known and origin.of(f"objective.{k}") == origin.file]
     for key in dropped:
         del table[key]
-    if dropped:
-        print(f"note: --set objective.kind={table['kind']}: ignoring {origin.file}'s objective "
-              f"{', '.join(dropped)} (not a {table['kind']} setting)", file=sys.stderr)
+    return dropped
 
 
 def cache_root(cfg: RunConfig) -> Path:

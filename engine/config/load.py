@@ -103,6 +103,10 @@ def convert(tree: dict, cls: type[T], origin: Origin) -> T:
             full = f"{key}.{unknown}" if key else unknown
             hint = _did_you_mean(unknown, _fields_at(cls, tree, key))
             raise ConfigError(f"{origin.of(full)}: {key or '(top level)'}: unknown field {unknown}{hint}") from None
+        if text.startswith("invalid value") and key.split(".")[-1] == "kind":  # a tagged union's tag
+            parent = key.rpartition(".")[0]
+            kinds = _tags_at(cls, tree, parent)
+            raise origin.error(key, f"unknown kind {_value_at(tree, key)!r}; known: {', '.join(kinds)}") from None
         if ", got" not in text and key:  # "expected int >= 1": say what it got
             text += f", got {_value_at(tree, key)!r}"
         raise origin.error(key or "(top level)", text) from None
@@ -141,6 +145,19 @@ def _fields_at(cls: type, tree: Any, key: str) -> list[str]:
             return []
     info = _resolve(info, node)
     return [f.encode_name for f in info.fields] if isinstance(info, mi.StructType) else []
+
+
+def _tags_at(cls: type, tree: Any, key: str) -> list[str]:
+    """The tags a tagged union at dotted ``key`` accepts (``objective`` -> grpo, prp, ...)."""
+    info: Any = mi.type_info(cls)
+    node = tree
+    for part in [p for p in key.split(".") if p]:
+        info = _resolve(info, node)
+        field = next((f for f in getattr(info, "fields", ()) if f.encode_name == part), None)
+        if field is None:
+            return []
+        info, node = field.type, node.get(part) if isinstance(node, dict) else None
+    return sorted(str(t.tag) for t in getattr(info, "types", ()) if isinstance(t, mi.StructType))
 
 
 def _resolve(info: Any, node: Any) -> Any:

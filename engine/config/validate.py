@@ -8,16 +8,16 @@ from engine.config.load import ConfigError, Origin
 from engine.config.schema import RunConfig
 
 
-def validate(cfg: RunConfig, origin: Origin) -> RunConfig:
-    _models(cfg, origin)
+def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunConfig:
+    _models(cfg, origin, check_machine)
     if cfg.objective.kind != "grpo" and len(cfg.models) < 2:
         raise origin.error("objective.kind", f"{cfg.objective.kind!r} uses peer experience and needs >= 2 models; "
                                              'use kind = "grpo" for a single model')
-    _pool(cfg, origin)
+    _pool(cfg, origin, check_machine)
     return cfg
 
 
-def _models(cfg: RunConfig, origin: Origin) -> None:
+def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
     if not cfg.models:
         raise ConfigError(f"{origin.file}: models: at least one [[models]] table is required")
     names = cfg.names
@@ -26,7 +26,7 @@ def _models(cfg: RunConfig, origin: Origin) -> None:
             raise origin.error(f"models.{i}.name", f"{m.name!r} must be letters, digits, '-' or '_'")
         if names.count(m.name) > 1:
             raise origin.error(f"models.{i}.name", f"{m.name!r} is used twice; names must be unique")
-        if m.checkpoint is not None:
+        if m.checkpoint is not None and check_machine:
             problem = checkpoint_problem(Path(m.checkpoint))
             if problem:
                 raise origin.error(f"models.{i}.checkpoint", problem)
@@ -43,7 +43,7 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def _pool(cfg: RunConfig, origin: Origin) -> None:
+def _pool(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
     pool, names = cfg.pool, cfg.names
     if 2 * len(names) > pool.workers:
         raise origin.error("pool.workers", f"{len(names)} models need at least {2 * len(names)} workers "
@@ -67,7 +67,7 @@ def _pool(cfg: RunConfig, origin: Origin) -> None:
             raise origin.error(f"pool.script.{i}.step_of", f"{move.step_of!r} is not a model of the run")
         if move.role != "idle" and move.model not in names:
             raise origin.error(f"pool.script.{i}.model", f"{move.model!r} is not a model of the run")
-    if pool.device == "cuda":
+    if pool.device == "cuda" and check_machine:
         import torch
 
         if not torch.cuda.is_available():

@@ -253,15 +253,17 @@ async def _prepare(core: LearnerCore, idle: float) -> Pending:
     prompts = ingest.next_own_groups(cfg.train.prompts_per_step)
     alive = core.alive_peers()
     started = time.time()
-    while core.need != "none" and alive and not ingest.peers_complete(prompts, alive):
+    waits = core.need not in ("none", "reference")  # the answer-key control reads no peer
+    while waits and alive and not ingest.peers_complete(prompts, alive):
         left = cfg.timeouts.peer_wait_s - (time.time() - started)
         if left <= 0 or core.worker.inbox.halt:
             break
         await core.worker.inbox.wait(left)
         alive = core.alive_peers()
     peer_wait = time.time() - started
-    own, peers, misses = ingest.take(prompts, alive)
-    raw = dp.encode_step(prompts, own, peers_for(core.need, own, peers), {}, misses, bool(core.peers) and not alive)
+    own, peers, misses = ingest.take(prompts, alive if waits else [])
+    read = ingest.reference_samples(prompts) if core.need == "reference" else peers
+    raw = dp.encode_step(prompts, own, peers_for(core.need, own, read), {}, misses, bool(core.peers) and not alive)
     return Pending(prompts, raw, own, peers, misses, bool(core.peers) and not alive, idle + peer_wait, peer_wait)
 
 

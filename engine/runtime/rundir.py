@@ -27,8 +27,13 @@ def make_run_dir(requested: str | None) -> Path:
 def write_resolved_config(cfg: msgspec.Struct, run_dir: Path) -> Path:
     """config.toml: the config as resolved (defaults and --set applied); rerunnable with --config."""
     out = run_dir / "config.toml"
-    out.write_bytes(msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg))))
+    out.write_bytes(config_toml(cfg))
     return out
+
+
+def config_toml(cfg: msgspec.Struct) -> bytes:
+    """The config as a TOML file that ``--config`` reads back to the same config."""
+    return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
 
 
 def _drop_none(tree):

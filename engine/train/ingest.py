@@ -8,7 +8,7 @@ import numpy as np
 
 from engine.train.batching import OwnSample, PeerSample
 from exchange.protocol import Experience
-from policies.templates import prompt_ids
+from policies.templates import completion_ids, prompt_ids
 from tokenbridge import Bridge, BridgeError
 
 
@@ -87,6 +87,16 @@ class Ingest:
             question = self.task.problem(prompt_id).question
             self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, question))
         return self._prompts[prompt_id]
+
+    def reference_samples(self, prompts: list[int]) -> list[PeerSample]:
+        """The task's reference solution of each prompt, in the peer slots (the answer-key control)."""
+        out = []
+        for pid in prompts:
+            ids = np.asarray(completion_ids(self.tokenizer, self.task.worked_solution(self.task.problem(pid))))
+            out.append(PeerSample(model="reference", prompt_id=pid, prompt_ids=self._prompt(pid), completion_ids=ids,
+                                  behaviour_logprobs=np.zeros(len(ids), dtype=np.float32), align=np.arange(len(ids)),
+                                  residual=0.0, reward=1.0, verified=True, weight_version=0))
+        return out
 
     def complete_own_groups(self) -> int:
         return len(self.complete)

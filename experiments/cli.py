@@ -1,0 +1,136 @@
+"""``launch.py experiment GRID``: plan, run (resumably) and summarise a grid of runs."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="run a grid of runs (objectives x seeds x model sets x tasks) and "
+                                          "write results.csv, results.md and plots")
+    p.add_argument("grid", help="experiment TOML, e.g. configs/experiments/cpu.toml")
+    p.add_argument("--out", default=None, help="results directory (default: the grid's `out`)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (runs, workers, samples) and exit")
+    p.add_argument("--report-only", action="store_true", help="rebuild the results files from finished runs")
+    p.set_defaults(handler=experiment_command)
+
+
+def experiment_command(args: argparse.Namespace) -> int:
+    from engine.config import ConfigError
+    from experiments.grid import load_grid, plan
+    from experiments.runner import describe, execute
+
+    try:
+        grid = load_grid(args.grid, args.out)
+        runs = plan(grid, check_machine=not args.dry_run)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(grid.out)
+    print(describe(grid, runs, out), flush=True)
+    if args.dry_run:
+        missing = _missing_here(runs)
+        if missing:
+            print("needed on the machine that runs it (absent here): " + "; ".join(missing))
+        return 0
+    try:
+        _preflight(runs)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    failed: list[str] = []
+    try:
+        if not args.report_only:
+            _, failed = execute(runs, out)
+    except KeyboardInterrupt:
+        print("interrupted: finished runs are kept; run the same command again to go on", file=sys.stderr)
+        return 130
+    written = write_results(grid, runs, out, " ".join(["python launch.py experiment", *sys.argv[3:]]
+                                                      if sys.argv[1:2] == ["experiment"] else sys.argv))
+    print("wrote " + ", ".join(str(p) for p in written))
+    if failed:
+        print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; run the command again to retry them",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _preflight(runs) -> None:
+    """Tokenizers and tasks of every distinct cell load, before an hour of runs starts."""
+    from engine.cli import preflight
+
+    seen = set()
+    for r in runs:
+        if (r.task, r.model_set) not in seen:
+            seen.add((r.task, r.model_set))
+            preflight(r.config)
+
+
+def _missing_here(runs) -> list[str]:
+    missing = []
+    for r in runs:
+        paths = [m.checkpoint for m in r.config.models if m.checkpoint] + [
+            m.tokenizer for m in r.config.models if "/" in m.tokenizer]
+        task = r.config.task
+        paths += [p for p in (getattr(task, "path", None), getattr(task, "eval_path", None)) if p]
+        missing += [p for p in paths if not Path(p).exists()]
+        if r.config.pool.device == "cuda" and "a CUDA device" not in missing:
+            import torch
+
+            if not torch.cuda.is_available():
+                missing.append("a CUDA device")
+    return list(dict.fromkeys(missing))
+
+
+def write_results(grid, runs, out: Path, command: str) -> list[Path]:
+    """results.csv, curves.csv, results.md and the plots, from every finished run of the grid."""
+    from experiments import plots
+    from experiments.results import curves, read_run, write_csv
+    from experiments.runner import finished, run_dir
+    from experiments.summary import write_markdown
+
+    done = [r for r in runs if finished(run_dir(out, r))]
+    rows = [row for r in done for row in read_run(run_dir(out, r), r)]
+    write_csv(out / "results.csv", rows)
+    points = [dict(task=r.task, model_set=r.model_set, arm=r.arm, seed=r.seed, **p)
+              for r in done for p in curves(run_dir(out, r), r)]
+    _write_points(out / "curves.csv", points)
+    header = [f"# Experiment results: {Path(grid.out).name}", "",
+              f"Reproduce: `{command}` (commit {_commit()}); {len(done)} of {len(runs)} runs finished.",
+              f"Base config `{grid.base}` with {', '.join(f'`--set {s}`' for s in grid.set) or 'no overrides'}; "
+              f"arms {', '.join(grid.arms)}; seeds {', '.join(map(str, grid.seeds))}. "
+              f"`{grid.baseline}` is solo training, `{grid.control}` is solo plus the task's reference solution "
+              "on the prompts where every own sample failed (the answer-key control). Every figure below is "
+              "computed from results.csv; intervals are Student-t over seeds.", ""]
+    (out / "results.md").write_text(write_markdown(_read_back(out), grid.arms, grid.baseline, grid.control, header))
+    return [out / "results.csv", out / "curves.csv", out / "results.md",
+            *plots.learning_curves(points, grid.arms, out), *plots.gains(_read_back(out), grid.arms, out)]
+
+
+def _read_back(out: Path) -> list[dict]:
+    from experiments.results import read_csv
+
+    return read_csv(out / "results.csv")
+
+
+def _write_points(path: Path, points: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["task", "model_set", "arm", "seed", "model", "samples", "accuracy"])
+        writer.writeheader()
+        writer.writerows(points)
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + (" with local changes" if dirty else "")) or "unknown"

@@ -1,0 +1,73 @@
+"""Run a grid's runs one after another, each a ``launch.py run`` of its own, resumably.
+
+A run whose directory holds ``run_result.json`` and no ``FAILED``/``INTERRUPTED`` marker is
+finished and never run again; any other directory left by an earlier attempt (a crash, a
+Ctrl-C) is removed and the run starts over. Each run's output goes to ``logs/<id>.log``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.runtime.rundir import config_toml
+from experiments.grid import Grid, PlannedRun
+from experiments.results import read_run
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
+
+
+def run_dir(out: Path, run: PlannedRun) -> Path:
+    return out / "runs" / run.id
+
+
+def finished(path: Path) -> bool:
+    return (path / "run_result.json").is_file() and not any((path / m).exists() for m in ("FAILED", "INTERRUPTED"))
+
+
+def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
+    """The plan, one line a run: what ``--dry-run`` prints."""
+    cells = len({(r.task, r.model_set) for r in runs})
+    lines = [f"{len(runs)} runs: {len(grid.arms)} arm(s) x {len(grid.seeds)} seed(s) in each of {cells} "
+             f"(task, model set) cell(s); results in {out}"]
+    for r in runs:
+        cfg = r.config
+        state = "done" if finished(run_dir(out, r)) else "to run"
+        lines.append(f"  {r.id:<40} {', '.join(cfg.names):<22} {cfg.pool.workers} workers on {cfg.pool.device}, "
+                     f"{r.samples_per_model:>7,} samples per model  [{state}]")
+    todo = sum(not finished(run_dir(out, r)) for r in runs)
+    lines.append(f"{todo} of {len(runs)} runs to go")
+    return "\n".join(lines)
+
+
+def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:
+    """Run what is not finished. Returns (runs done now, ids that failed); a Ctrl-C stops at once."""
+    done, failed = 0, []
+    todo = [r for r in runs if not finished(run_dir(out, r))]
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    for k, run in enumerate(todo, 1):
+        path = run_dir(out, run)
+        if path.exists():
+            shutil.rmtree(path)  # an earlier attempt that did not finish: start over
+        config = out / "configs" / f"{run.id}.toml"
+        config.write_bytes(config_toml(run.config))
+        print(f"[{k}/{len(todo)}] {run.id}: running (log: {out / 'logs' / run.id}.log)", flush=True)
+        started = time.time()
+        with open(out / "logs" / f"{run.id}.log", "wb") as log:
+            rc = subprocess.call([sys.executable, str(LAUNCH), "run", "--config", str(config), "--run-dir", str(path)],
+                                 stdout=log, stderr=subprocess.STDOUT)
+        if rc in (130, 143):
+            raise KeyboardInterrupt
+        if rc != 0 or not finished(path):
+            failed.append(run.id)
+            print(f"[{k}/{len(todo)}] {run.id}: FAILED (exit {rc}); see {out / 'logs' / run.id}.log", flush=True)
+            continue
+        done += 1
+        rows = read_run(path, run)
+        gains = ", ".join(f"{r['model']} {100 * r['acc_before']:.1f}% -> {100 * r['acc_after']:.1f}%" for r in rows)
+        print(f"[{k}/{len(todo)}] {run.id}: done in {time.time() - started:.0f}s ({gains})", flush=True)
+    return done, failed

@@ -1,0 +1,114 @@
+"""The experiment runner: a tiny grid end to end (real runs), resuming, the results files; the plan of the
+GPU grid here; grid errors; the t statistics against known values."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError
+from experiments.grid import load_grid, plan
+from experiments.stats import estimate, t_quantile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _grid(tmp_path: Path, cache: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(f"""
+base = "{ROOT / 'configs/smoke.toml'}"
+out = "{tmp_path / 'results'}"
+arms = ["grpo", "sgt_ref"]
+seeds = [0]
+set = ["train.steps=4", "eval.num_problems=40", "eval.every_steps=2", "eval.live_problems=20",
+       "run.cache_dir='{cache}'"]
+
+[[model_sets]]
+name = "pair"
+models = [{{name = "gpt2", arch = "gpt2", tokenizer = "gpt2"}}, {{name = "llama", arch = "llama", tokenizer = "mistral"}}]
+
+[[tasks]]
+name = "arith"
+task = {{kind = "arithmetic", min_digits = 1, max_digits = 2, ops = ["+"], eval_fraction = 0.2}}
+""")
+    return path
+
+
+def _experiment(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), "experiment", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
+    grid = _grid(tmp_path, engine_cache)
+    done = _experiment(str(grid))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "results"
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert sorted((r["arm"], r["model"]) for r in rows) == [("grpo", "gpt2"), ("grpo", "llama"),
+                                                            ("sgt_ref", "gpt2"), ("sgt_ref", "llama")]
+    for r in rows:
+        assert int(r["samples"]) == 4 * 8 * 8 and int(r["steps"]) == 4  # the same budget for every arm
+        assert 0 <= float(r["acc_after"]) <= 1 and math.isclose(float(r["gain"]),
+                                                                 float(r["acc_after"]) - float(r["acc_before"]))
+    ref = [r for r in rows if r["arm"] == "sgt_ref"]
+    assert all(r["sgt_rescue_set"] != "" for r in ref)  # the control ran SGT's term (on reference solutions)
+    assert all(r["sgt_rescue_set"] == "" for r in rows if r["arm"] == "grpo")
+    md = (out / "results.md").read_text()
+    assert "## arith, pair (gpt2, llama)" in md and "Against solo GRPO (`grpo`)" in md and "sgt_ref" in md
+    assert (out / "curves-arith-pair.png").stat().st_size > 0 and (out / "gains-arith-pair.png").stat().st_size > 0
+    curves = list(csv.DictReader(open(out / "curves.csv")))
+    assert {c["samples"] for c in curves} >= {"0", str(2 * 64), str(4 * 64)}
+
+    again = _experiment(str(grid))  # resumable: nothing finished is run again
+    assert again.returncode == 0 and "0 of 2 runs to go" in again.stdout and "running" not in again.stdout
+    (out / "runs" / "arith-pair-grpo-s0" / "run_result.json").unlink()  # as if it had crashed
+    third = _experiment(str(grid))
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "arith-pair-grpo-s0: running" in third.stdout and "sgt_ref-s0: running" not in third.stdout
+
+
+def test_the_gpu_grid_plans_here():
+    done = _experiment(str(ROOT / "configs/experiments/math.toml"), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "15 runs" in done.stdout and "math-qwen-llama-sgt_ref-s2" in done.stdout
+    assert "absent here" in done.stdout and "data/math/train.jsonl" in done.stdout
+
+
+def test_the_cpu_grid_plans_every_arm_with_one_budget():
+    runs = plan(load_grid(ROOT / "configs/experiments/cpu.toml"))
+    assert {r.arm for r in runs} == {"grpo", "sgt_ref", "prp", "xgrpo", "sgt"} and len({r.seed for r in runs}) >= 3
+    assert {(r.task, r.model_set) for r in runs} == {("countdown", "pair"), ("countdown", "trio"),
+                                                     ("arithmetic", "pair")}
+    assert len({(r.config.train, r.config.warmstart, r.config.eval) for r in runs}) == 2  # per task only
+    tokenizers = {m.tokenizer for r in runs for m in r.config.models}
+    assert tokenizers == {"gpt2", "mistral", "qwen2"}
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('arms = []', "arms: must not be empty"),
+    ('arms = ["grpo", "nope"]', "unknown objective"),
+    ('arms = ["grpo", "grpo"]', "repeats"),
+])
+def test_bad_grids_name_the_key(tmp_path, text, expected):
+    grid = _grid(tmp_path, tmp_path / "cache").read_text().replace('arms = ["grpo", "sgt_ref"]', text)
+    path = tmp_path / "bad.toml"
+    path.write_text(grid)
+    with pytest.raises(ConfigError, match=expected):
+        plan(load_grid(path))
+    done = _experiment(str(path), "--dry-run")
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_t_statistics_match_known_values():
+    assert t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-6)
+    assert t_quantile(0.975, 10) == pytest.approx(2.228139, abs=1e-6)
+    e = estimate([1.0, 2.0, 4.0])  # scipy.stats.ttest_1samp: t = 2.6458, p = 0.11808
+    assert e.p == pytest.approx(0.118083, abs=1e-6)
+    assert (e.low, e.high) == pytest.approx((-1.46125, 6.12792), abs=1e-5)
