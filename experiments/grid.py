@@ -122,10 +122,12 @@ def plan(grid: Grid, check_machine: bool = True) -> list[PlannedRun]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"base {grid.base}: {exc}") from None
     runs = []
-    for task in grid.tasks:
-        for model_set in [m for m in grid.model_sets if not task.model_sets or m.name in task.model_sets]:
-            for arm in grid.arms:
-                for seed in grid.seeds:
+    # Cell by cell (model set, then task), and within a cell seed by seed with every arm: a grid
+    # stopped half-way leaves whole cells and whole seeds, whose arms compare pairwise.
+    for model_set in grid.model_sets:
+        for task in [t for t in grid.tasks if not t.model_sets or model_set.name in t.model_sets]:
+            for seed in grid.seeds:
+                for arm in grid.arms:
                     run_id = f"{task.name}-{model_set.name}-{arm}-s{seed}"
                     flags = [*grid.set, *model_set.set, *task.set, f"objective.kind={arm}", f"run.seed={seed}"]
                     tree = copy.deepcopy(base)
