@@ -275,6 +275,9 @@ class Coordinator:
             elif isinstance(msg, UnitDone):
                 self.dispatch.done(wid, msg.model, msg.prompt_ids)
                 self.busy["gen"][msg.model] += msg.busy_s
+                if msg.verify_timeouts:
+                    self.metrics.write(event="verify_timeout", worker=wid, gen_model=msg.model,
+                                       completions=msg.verify_timeouts)
                 if msg.params_digest:
                     self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
                                        weight_version=msg.weight_version, params_digest=msg.params_digest)

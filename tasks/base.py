@@ -22,6 +22,7 @@ class Verdict(msgspec.Struct, frozen=True):
 
     reward: float  # what RL maximises
     verified: bool  # the verifier confirmed the completion correct (a "success")
+    timed_out: bool = False  # the verifier ran out of time (judged wrong; the engine counts these)
 
 
 class Task(Protocol):

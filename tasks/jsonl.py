@@ -7,19 +7,16 @@ is made: the first bad line is one TaskFileError naming the file and the line.
 
 from __future__ import annotations
 
-import functools
-import logging
 import random
-import threading
+import sys
 from pathlib import Path
 from typing import Annotated
 
-import math_verify
 import msgspec
 
 from tasks.base import Problem, Verdict, is_held_out, register_task
+from tasks.bounded import BoundedVerifier
 
-PARSE_TIMEOUT_S = 5  # math-verify's own (signal-based) guard; only usable in the main thread
 
 
 class TaskFileError(Exception):
@@ -33,6 +30,7 @@ class JsonlConfig(msgspec.Struct, tag="jsonl", tag_field="kind", forbid_unknown_
     eval_path: str | None = None
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # used when no eval_path
     seed: int = 0  # shuffles the training order
+    verify_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a completion still unjudged then is wrong
 
 
 class _Line(msgspec.Struct):
@@ -61,7 +59,7 @@ class JsonlTask:
                 )
         self._order = list(range(len(self._train)))
         random.Random(f"jsonl:{config.seed}").shuffle(self._order)
-        logging.getLogger("math_verify").addFilter(_drop_timeout_notice)
+        self._verifier = BoundedVerifier(config.verify_timeout_s)
 
     def problem(self, prompt_id: int) -> Problem:
         prompt, answer = self._train[self._order[prompt_id % len(self._order)]]
@@ -72,27 +70,20 @@ class JsonlTask:
         return Problem(prompt_id=index, task=self.name, question=prompt, answer=answer)
 
     def verify(self, problem: Problem, completion_text: str) -> Verdict:
-        timeout = PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-        predicted = math_verify.parse(completion_text, parsing_timeout=timeout)
-        correct = bool(predicted) and math_verify.verify(
-            _gold(problem.answer, timeout), predicted, timeout_seconds=timeout
-        )
-        return Verdict(reward=1.0 if correct else 0.0, verified=bool(correct))
+        """math-verify, bounded by ``verify_timeout_s`` in any thread (``tasks.bounded``); a time-out is wrong."""
+        correct = self._verifier.check(_gold_text(problem.answer), completion_text)
+        if correct is None and self._verifier.timeouts == 1:
+            print(f"[jsonl] a completion took over {self.config.verify_timeout_s:g}s to verify: judged wrong "
+                  "(further time-outs are counted, not printed)", file=sys.stderr, flush=True)
+        return Verdict(reward=1.0 if correct else 0.0, verified=bool(correct), timed_out=correct is None)
 
     def worked_solution(self, problem: Problem) -> str:
         return problem.answer
 
 
-@functools.lru_cache(maxsize=4096)
-def _gold(answer: str, timeout: int | None) -> list:
-    """The reference parsed once; a bare answer is read as LaTeX math."""
-    text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
-    return math_verify.parse(text, parsing_timeout=timeout)
-
-
-def _drop_timeout_notice(record: logging.LogRecord) -> bool:
-    """math-verify logs a warning per call when run without its signal timeout (threads)."""
-    return "Timeout is disabled" not in record.getMessage()
+def _gold_text(answer: str) -> str:
+    """The reference as math-verify reads it: a bare answer is LaTeX math."""
+    return answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
 
 
 def read_jsonl(path: Path) -> list[tuple[str, str]]:

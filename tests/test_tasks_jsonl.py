@@ -65,6 +65,27 @@ def test_verify_works_off_the_main_thread(tmp_path: Path) -> None:
     assert results == [True]
 
 
+def test_a_completion_crafted_to_be_slow_cannot_hang_verification(tmp_path: Path, capfd) -> None:
+    """9^{9^{9^{9}}} makes math-verify compute a huge power (one C call, past its own time-outs):
+    judged wrong within the deadline, in a thread as in the engine, counted, and the next check works."""
+    import time
+
+    task = JsonlTask(JsonlConfig(path=str(_dataset(tmp_path)), verify_timeout_s=2.0))
+    problem = task.problem(3)
+    task.verify(problem, problem.answer)  # the verifier process is up
+    verdicts: list = []
+    started = time.monotonic()
+    worker = threading.Thread(target=lambda: verdicts.append(task.verify(problem, "$9^{9^{9^{9}}}$")))
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "verification hung"
+    assert time.monotonic() - started < 10
+    assert verdicts[0].reward == 0.0 and verdicts[0].timed_out and task._verifier.timeouts == 1
+    assert task.verify(problem, " " + problem.answer).verified  # a fresh verifier serves the next one
+    err = capfd.readouterr().err
+    assert err.count("took over 2s to verify") == 1 and "Timeout is disabled" not in err
+
+
 @pytest.mark.parametrize(
     ("bad_line", "message"),
     [
@@ -91,3 +112,17 @@ def test_missing_or_empty_files_are_clear_errors(tmp_path: Path) -> None:
     one = _write(tmp_path / "one.jsonl", ['{"prompt": "1+1?", "answer": "2"}'])
     with pytest.raises(TaskFileError, match="empty train or held-out split"):
         JsonlTask(JsonlConfig(path=str(one)))
+
+
+def test_the_parent_deadline_kills_a_check_that_outlives_it() -> None:
+    """A deadline shorter than math-verify's own (1 s) time-out: the parent gives up first, kills the child,
+    and the next check starts a fresh one."""
+    from tasks.bounded import BoundedVerifier
+
+    verifier = BoundedVerifier(deadline_s=0.5)
+    assert verifier.check("$4$", "$2+2$") is True
+    child = verifier._proc
+    assert verifier.check("$4$", "$9^{9^{9^{9}}}$") is None and verifier.timeouts == 1
+    assert not child.is_alive() and verifier._proc is None
+    assert verifier.check("$4$", "$5$") is False
+    verifier.close()

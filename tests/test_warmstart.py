@@ -122,3 +122,16 @@ def test_stop_accuracy_leaves_room_for_rl(tmp_path: Path) -> None:
     backend = HFBackend(model, tokenizer.eos_token_id, pad_id(tokenizer))
     train = evaluate(backend, tokenizer, "gpt2", task, 200, split="train", max_new_tokens=4)
     assert 0.05 < train.accuracy < 0.9
+
+
+def test_without_a_terminal_progress_is_plain_lines(tmp_path: Path, capfd, monkeypatch) -> None:
+    """A warm start in a log file says how far it is (step / total, loss, time left), not one line then silence."""
+    import engine.prep.warmstart as ws
+
+    monkeypatch.setattr(ws, "PROGRESS_EVERY_S", 0.0)
+    spec, tokenizer, task = tiny_spec("gpt2"), real_tokenizer("gpt2"), ArithmeticTask(ArithmeticConfig())
+    warm_start(spec, tokenizer, task, QUICK, tmp_path, progress=False)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warm start ")]
+    assert len(lines) == QUICK.steps
+    assert lines[-1].startswith(f"warm start {spec.name}: step {QUICK.steps}/{QUICK.steps}, loss ")
+    assert "elapsed, at most 0s left" in lines[-1]

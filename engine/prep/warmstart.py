@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 from pathlib import Path
 import msgspec
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # bump when the recipe changes, so old cached models are not reused
 WARM_START_FIRST_ID = 10**9  # prompt ids used here; RL's scheduler counts from 0
 MAX_NEW_TOKENS = 32  # for the early-stopping accuracy check
+PROGRESS_EVERY_S = 15.0  # without a terminal, a progress line this often
 
 
 class WarmStartReport(msgspec.Struct):
@@ -161,10 +163,33 @@ def _out_of_time(started: float, seconds: float | None) -> bool:
     return seconds is not None and time.monotonic() - started >= seconds
 
 
+class _ProgressLines:
+    """Without a terminal (a log file, a CI job): one plain line on stderr every ``every_s`` seconds."""
+
+    def __init__(self, name: str, total: int, every_s: float | None = None) -> None:
+        every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.name, self.total, self.every_s = name, total, every_s
+        self.done, self.loss, self.accuracy = 0, float("nan"), "-"
+        self.started = self.last = time.monotonic()
+
+    def update(self, _task: int, advance: int = 0, loss: float | None = None, accuracy: str | None = None) -> None:
+        self.done += advance
+        self.loss = self.loss if loss is None else loss
+        self.accuracy = self.accuracy if accuracy is None else accuracy
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            elapsed = now - self.started
+            left = elapsed / max(self.done, 1) * (self.total - self.done)
+            print(f"warm start {self.name}: step {self.done}/{self.total}, loss {self.loss:.3f}, train acc "
+                  f"{self.accuracy}, {elapsed:.0f}s elapsed, at most {left:.0f}s left", file=sys.stderr, flush=True)
+
+
 class _progress_bar:
-    """A rich progress bar on stderr (a no-op when progress=False)."""
+    """A rich progress bar on stderr; plain lines every few seconds when progress=False (no terminal)."""
 
     def __init__(self, name: str, total: int, enabled: bool) -> None:
+        self.lines = None if enabled else _ProgressLines(name, total)
         columns = [
             TextColumn(f"warm start {name}"),
             BarColumn(),
@@ -174,9 +199,12 @@ class _progress_bar:
         self.progress = Progress(*columns, console=Console(stderr=True), disable=not enabled)
         self.total = total
 
-    def __enter__(self) -> tuple[Progress, int]:
+    def __enter__(self) -> tuple[Progress | _ProgressLines, int]:
+        if self.lines is not None:
+            return self.lines, 0
         self.progress.__enter__()
         return self.progress, self.progress.add_task("warm", total=self.total, loss=float("nan"), accuracy="-")
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+        if self.lines is None:
+            self.progress.__exit__(*exc)

@@ -52,7 +52,7 @@ async def generate_role(worker, order: Order) -> None:
             unit, asked = worker.inbox.work.popleft(), False
             started = time.time()  # a unit's budget covers loading the newest weights too
             policy.version = await _weights_for(worker, reader, unit)
-            exps = await asyncio.to_thread(sample_unit, worker, backend, tok, unit, policy.version, started)
+            exps, timeouts = await asyncio.to_thread(sample_unit, worker, backend, tok, unit, policy.version, started)
             await worker.pad_to_budget("gen", model, started, len(exps))
             for exp in exps:
                 await worker.pub.send(exp)
@@ -60,7 +60,7 @@ async def generate_role(worker, order: Order) -> None:
             digest = "" if checked else params_digest(policy.module)
             checked = True
             await worker.plane.send(UnitDone(worker.id, model, unit.prompt_ids, len(exps), policy.version,
-                                             time.time() - started, digest))
+                                             time.time() - started, digest, timeouts))
             window = time.time() - window_start
             await worker.pub.send(Stats(
                 schema=SCHEMA_VERSION, worker_id=worker.id, role="generator", model=model, time=time.time(),
@@ -84,8 +84,10 @@ async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
     return version
 
 
-def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int, started: float) -> list[Experience]:
-    """G completions for each prompt of ``unit``, verified and scored, as Experience messages."""
+def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int,
+                started: float) -> tuple[list[Experience], int]:
+    """G completions for each prompt of ``unit``, verified and scored, as Experience messages; and how many
+    of them the verifier ran out of time on (judged wrong)."""
     cfg, model = worker.cfg, unit.model
     arch = cfg.model(model).arch
     prompts = [prompt_ids(tok, arch, p.question) for p in unit.problems]
@@ -93,11 +95,12 @@ def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int, s
     with torch.no_grad():
         samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)
     done = time.time()
-    out = []
+    out, timeouts = [], 0
     for problem, ids, group in zip(unit.problems, prompts, samples):
         for k, sample in enumerate(group):
             text = tok.decode(sample.completion_ids, skip_special_tokens=True)
             verdict = worker.task.verify(problem, text)
+            timeouts += verdict.timed_out
             out.append(Experience(
                 schema=SCHEMA_VERSION, run_id=worker.plan.run_id,
                 experience_id=f"{model}/{problem.prompt_id}/{k}/{worker.id}",
@@ -108,4 +111,4 @@ def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int, s
                 reward=float(verdict.reward), verified=bool(verdict.verified),
                 finish_reason=sample.finish_reason, created_at=started, generated_at=done,
             ))
-    return out
+    return out, timeouts

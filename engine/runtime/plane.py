@@ -87,6 +87,7 @@ class UnitDone(_Msg, tag="udone"):
     weight_version: int
     busy_s: float  # generating (weights loaded, sampled, verified), without waiting for work
     params_digest: str = ""  # sha256 of the weights used, on a role's first unit (checks the hand-over)
+    verify_timeouts: int = 0  # completions the task's verifier ran out of time on (judged wrong)
 
 
 class StepDone(_Msg, tag="sdone"):
