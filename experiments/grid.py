@@ -29,14 +29,13 @@ from the same weights, so their gains compare pairwise.
 from __future__ import annotations
 
 import copy
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
 from engine.config import ConfigError, Origin, RunConfig, config_from_tree
-from engine.config.load import apply_override, parse_override
+from engine.config.load import apply_override, convert, parse_override, read_toml
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -82,19 +81,10 @@ class PlannedRun(msgspec.Struct, frozen=True):
 
 def load_grid(path: str | Path, out: str | None = None) -> Grid:
     """Read a grid file; ``out`` replaces its results directory. Errors name the file and the key."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: experiment file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    raw = read_toml(path, "experiment file")
     if out is not None:
         raw["out"] = out
-    try:
-        grid = msgspec.convert(raw, Grid)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    grid = convert(raw, Grid, Origin(path))
     for key in ("arms", "seeds", "model_sets", "tasks"):
         if not getattr(grid, key):
             raise ConfigError(f"{path}: {key}: must not be empty")
@@ -117,10 +107,7 @@ def load_grid(path: str | Path, out: str | None = None) -> Grid:
 
 def plan(grid: Grid, check_machine: bool = True) -> list[PlannedRun]:
     """Every run of the grid with its resolved config; a bad cell is a ConfigError naming the run."""
-    try:
-        base = tomllib.loads(Path(grid.base).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"base {grid.base}: {exc}") from None
+    base = read_toml(grid.base, "base config (the grid's `base`)")
     runs = []
     # Cell by cell (model set, then task), and within a cell seed by seed with every arm: a grid
     # stopped half-way leaves whole cells and whole seeds, whose arms compare pairwise.

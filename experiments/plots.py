@@ -39,11 +39,7 @@ def learning_curves(points: list[dict], arms: list[str], out: Path) -> list[Path
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"{task}, {model_set}: mean over seeds, band = min..max (live eval on fewer problems)", fontsize=9)
-        fig.tight_layout()
-        path = out / f"curves-{task}-{model_set}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"curves-{task}-{model_set}.png"))
     return written
 
 
@@ -68,9 +64,12 @@ def gains(rows: list[dict], arms: list[str], out: Path) -> list[Path]:
         ax.set_title(f"{task}, {model_set}: mean over seeds, 95% interval", fontsize=9)
         ax.legend(fontsize=8, ncol=len(present))
         ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        path = out / f"gains-{task}-{model_set}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"gains-{task}-{model_set}.png"))
     return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -75,15 +75,19 @@ def apply_override(tree: dict, path: list[str], value: Any, flag: str) -> None:
             raise ConfigError(f"--set {flag}: {'.'.join(path[:depth])} is a value, not a table")
 
 
-def read_tree(path: str | Path, overrides: list[str] = ()) -> tuple[dict, Origin]:
-    """A TOML file as a dict with ``--set`` overrides applied (not yet typed), and where each key came from."""
-    path = Path(path)
+def read_toml(path: str | Path, what: str = "config file") -> dict:
+    """A TOML file as a dict; a missing file or bad TOML is one ConfigError naming the path."""
     try:
-        tree = tomllib.loads(path.read_text())
+        return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
+        raise ConfigError(f"{path}: {what} not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def read_tree(path: str | Path, overrides: list[str] = ()) -> tuple[dict, Origin]:
+    """A TOML file as a dict with ``--set`` overrides applied (not yet typed), and where each key came from."""
+    tree = read_toml(path)
     applied = []
     for text in overrides:
         key_path, value = parse_override(text)
