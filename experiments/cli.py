@@ -48,8 +48,8 @@ def experiment_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: finished runs are kept; run the same command again to go on", file=sys.stderr)
         return 130
-    written = write_results(grid, runs, out, " ".join(["python launch.py experiment", *sys.argv[3:]]
-                                                      if sys.argv[1:2] == ["experiment"] else sys.argv))
+    written = write_results(grid, runs, out, f"python launch.py experiment {args.grid}"
+                                             + (f" --out {args.out}" if args.out else ""))
     print("wrote " + ", ".join(str(p) for p in written))
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; run the command again to retry them",

@@ -80,5 +80,5 @@ def estimate(values: list[float]) -> Estimate:
 def verdict(e: Estimate) -> str:
     """'better' / 'worse' if the 95% interval excludes 0, else 'no clear difference'."""
     if math.isnan(e.low):
-        return "one seed: no interval"
+        return "one seed, no interval"
     return "better" if e.low > 0 else "worse" if e.high < 0 else "no clear difference"

@@ -89,7 +89,7 @@ def answers(rows: list[dict], models: list[str], arms: list[str], baseline: str,
             for a in sharing:
                 e = paired(mr, a, ref)
                 if e is not None:
-                    said.append(f"{a} {verdict(e)} ({pts(e)})")
+                    said.append(f"{a}: {verdict(e)} ({pts(e)})")
             if said:
                 out.append(f"- {m}, against `{ref}`: " + "; ".join(said) + ".")
         best = max(arms, key=lambda a: fmean(r["gain"] for r in mr if r["arm"] == a))
