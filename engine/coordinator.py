@@ -178,6 +178,7 @@ class Coordinator:
 
     async def _drive(self) -> None:
         display = LiveDisplay(self.cfg, self.preps, enabled=not self.quiet)
+        self.say(LiveDisplay.legend(self.cfg))
         self.display, deadline, next_tick = display, self.t_start + self.cfg.run.max_minutes * 60, 0.0
         try:
             while self.interrupted is None and not self.failures.fatal:

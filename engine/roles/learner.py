@@ -310,7 +310,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
     core.metrics.write(event="step", **record)
     report = StepReport(record["reward_mean"], record["staleness_mean"], record["step_s"], t["own_experiences"],
-                        t["peer_experiences"], record.get("accuracy"))
+                        t["peer_experiences"], record.get("accuracy"), t["peer_used"])
     await w.plane.send(StepDone(core.model_name, version, group.epoch, len(group.members), p.prompts, p.misses,
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,

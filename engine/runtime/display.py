@@ -29,6 +29,7 @@ class LiveDisplay:
         self.step = {n: 0 for n in self.names}
         self.report: dict[str, object] = {}
         self.acc: dict[str, float | None] = {p.model: p.warm_accuracy for p in preps}
+        self.acc_n = {p.model: cfg.eval.num_problems for p in preps}  # problems behind the shown accuracy
         self.started = time.time()
         self.enabled, self.plain_every_s, self._last_plain = enabled, plain_every_s, time.time()
         self.live = None
@@ -39,14 +40,23 @@ class LiveDisplay:
     def update(self, model: str, step: int, report) -> None:
         self.step[model], self.report[model] = step, report
         if report.accuracy is not None:
-            self.acc[model] = report.accuracy
+            self.acc[model], self.acc_n[model] = report.accuracy, self.cfg.eval.live_problems
 
     def line(self, name: str) -> str:
         r, step, steps = self.report.get(name), self.step[name], self.cfg.train.steps
         rate = (r.own_total if r else 0) / max(time.time() - self.started, 1e-9)
         return (f"{name:>14} {_bar(step, steps)} step {step:>4}/{steps}  reward {_fmt(r and r.reward_mean)}"
-                f"  acc {_fmt(self.acc.get(name))}  {rate:6.1f} samples/s  staleness "
-                f"{_fmt(r and r.staleness_mean, '.2f')}  peer {r.peer_total if r else 0}")
+                f"  acc@{self.acc_n.get(name, 0)} {_fmt(self.acc.get(name))}  {rate:6.1f} samples/s  staleness "
+                f"{_fmt(r and r.staleness_mean, '.2f')}  peer recv {r.peer_total if r else 0} "
+                f"used {r.peer_used if r else 0}")
+
+    @staticmethod
+    def legend(cfg) -> str:
+        """What the live figures are, printed once above them."""
+        return (f"acc@N: held-out accuracy on N problems (the warm start's on eval.num_problems={cfg.eval.num_problems}, "
+                f"then live on eval.live_problems={cfg.eval.live_problems}; the final table uses "
+                f"{cfg.eval.num_problems}); peer recv: peer samples received, used: read by the objective "
+                f"({cfg.objective.kind}; the table's 'peer exp. used')")
 
     def _render(self) -> Table:
         table = Table.grid()

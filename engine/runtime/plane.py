@@ -56,7 +56,8 @@ class StepReport(msgspec.Struct, array_like=True):
     step_s: float  # the optimizer step's busy time (not its wait for data)
     own_total: int  # own samples trained on so far
     peer_total: int  # peer samples received so far
-    accuracy: float | None = None  # live held-out accuracy, when evaluated at this step
+    accuracy: float | None = None  # live held-out accuracy (eval.live_problems), when evaluated at this step
+    peer_used: int = 0  # peer samples the objective has read so far (of peer_total received)
 
 
 # worker -> coordinator
