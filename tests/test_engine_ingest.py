@@ -78,7 +78,7 @@ def test_a_batch_of_peer_completions_crosses_the_thl_together_and_one_bad_one_co
     inbox, own_tok, peer_tok = ingest
     good = [_exp("llama", peer_tok, 20, k) for k in range(G)]
     bad = _exp("llama", peer_tok, 21, 0)
-    bad.completion_ids = pack_ids([10**8])  # no such token in the peer's vocabulary: the THL refuses it
+    bad.completion_ids = pack_ids([peer_tok.bos_token_id, 29896])  # a special token inside: the THL refuses it
     failures = inbox.failures
     inbox.add_many([*good, bad])
     assert inbox.failures == failures + 1
@@ -103,3 +103,29 @@ def test_reference_samples_are_the_tasks_verified_solution_in_our_tokens(tmp_pat
         assert r.completion_ids[-1] == tok.eos_token_id and len(r.align) == len(r.completion_ids)
         text = tok.decode(r.completion_ids, skip_special_tokens=True)
         assert task.verify(task.problem(r.prompt_id), text).verified
+
+
+def test_untrusted_experiences_are_counted_per_sender_and_never_reach_a_model(tmp_path):
+    """What decodes cleanly can still be wrong for this run: another run's id, a group size that would
+    complete a group early, token ids past the sender's vocabulary (they would crash the embedding)."""
+    import msgspec
+
+    cache = str(tmp_path)
+    own_tok, peer_tok = load_tokenizer("gpt2", cache), load_tokenizer("mistral", cache)
+    task = make_task(ArithmeticConfig(min_digits=1, max_digits=2, ops=["+"]))
+    inbox = Ingest(ModelSpec(name="gpt2", arch="gpt2", tokenizer="gpt2"), own_tok, {"llama": peer_tok}, task, G,
+                   run_id="t")
+    good = _exp("gpt2", own_tok, 1, 0)
+    bad = [
+        msgspec.structs.replace(good, run_id="intruder"),
+        msgspec.structs.replace(good, group_size=1),
+        msgspec.structs.replace(good, sample_index=5),
+        msgspec.structs.replace(good, completion_ids=pack_ids([len(own_tok) + 7])),
+        msgspec.structs.replace(_exp("llama", peer_tok, 1, 0), prompt_ids=pack_ids([-3, 1])),
+    ]
+    inbox.add_many(bad)
+    assert inbox.rejected_total == 5 and not inbox.own and not inbox.peers
+    assert inbox.rejected["gpt2: another run's id"] == 1
+    assert any(k.startswith("llama: prompt token id outside") for k in inbox.rejected)
+    inbox.add_many([good, _exp("gpt2", own_tok, 1, 1)])  # the honest sender is still served
+    assert inbox.complete_own_groups() == 1 and inbox.rejected_total == 5

@@ -89,7 +89,7 @@ class LearnerCore:
         w = self.worker
         cache = tokenizer_cache(self.cfg)
         peers = {n: load_tokenizer(self.cfg.model(n).tokenizer, cache) for n in self.peers}
-        self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size)
+        self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id)
         self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}")
         await self.sub.ready(timeout=self.cfg.timeouts.worker_start_s)
         self.listener = asyncio.create_task(self._listen())
@@ -298,6 +298,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         staleness_mean=sum(version - 1 - s.weight_version for s in p.own) / n,
         thl_residual_mean=sum(s.residual for s in p.peers) / len(p.peers) if p.peers else None,
         thl_failures=core.ingest.failures, peer_late=core.ingest.late, peer_batch=len(p.peers),
+        rejected=core.ingest.rejected_total,
         world=len(group.members), epoch=group.epoch, solo=p.solo, peers_gone=sorted(w.inbox.gone),
         idle_s=round(p.idle_s, 4), peer_wait_s=round(p.peer_wait_s, 4), step_s=round(result.pop("busy_s"), 4),
         **t, **result)

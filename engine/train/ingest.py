@@ -21,9 +21,11 @@ class Ingest:
     and dropped; one the THL cannot bridge is counted as a failure and dropped.
     """
 
-    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int):
-        self.spec, self.tokenizer, self.task, self.G = spec, tokenizer, task, group_size
+    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int, run_id: str | None = None):
+        self.spec, self.tokenizer, self.task, self.G, self.run_id = spec, tokenizer, task, group_size, run_id
         self.bridges = {name: Bridge(tok, tokenizer) for name, tok in peer_tokenizers.items()}
+        self.vocab = {name: len(tok) for name, tok in peer_tokenizers.items()} | {spec.name: len(tokenizer)}
+        self.rejected: collections.Counter[str] = collections.Counter()  # "<model>: <why>" -> count
         self.own: dict[int, list[OwnSample]] = {}
         self.complete: collections.deque[int] = collections.deque()
         self.consumed: set[int] = set()
@@ -43,7 +45,11 @@ class Ingest:
         waiting: dict[str, list[Experience]] = {}
         for exp in exps:
             key = (exp.model, exp.prompt_id, exp.sample_index)
-            if key in self.seen:
+            if key in self.seen or exp.model not in self.vocab:
+                continue
+            why = self._untrusted(exp)
+            if why is not None:
+                self.rejected[f"{exp.model}: {why}"] += 1  # never reaches a model; counted in the step's metrics
                 continue
             self.seen.add(key)
             if exp.model == self.spec.name:
@@ -58,6 +64,27 @@ class Ingest:
             bridged = self.bridges[model].batch([e.completion_array for e in peers], [e.logprob_array for e in peers])
             for exp, out in zip(peers, bridged):
                 self._add_peer(exp, out)
+
+    def _untrusted(self, exp: Experience) -> str | None:
+        """Why an experience that decoded cleanly still cannot be trained on, or None.
+
+        The codec has checked types, sizes, finite numbers and aligned arrays; what it cannot
+        know is this run: its id, its group size, and each sender's vocabulary (an id past it
+        would crash the model's embedding lookup)."""
+        if self.run_id is not None and exp.run_id != self.run_id:
+            return "another run's id"
+        if exp.group_size != self.G or not 0 <= exp.sample_index < self.G:
+            return f"group_size/sample_index {exp.group_size}/{exp.sample_index} (this run: G={self.G})"
+        if exp.prompt_id < 0 or exp.weight_version < 0:
+            return "negative prompt_id or weight_version"
+        for field, ids in (("completion", exp.completion_array), ("prompt", exp.prompt_array)):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab[exp.model]):
+                return f"{field} token id outside {exp.model}'s vocabulary ({self.vocab[exp.model]})"
+        return None
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
 
     def _add_own(self, exp: Experience) -> None:
         group = self.own.setdefault(exp.prompt_id, [])
