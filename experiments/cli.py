@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -99,7 +98,7 @@ def write_results(grid, runs, out: Path, command: str) -> list[Path]:
               for r in done for p in curves(run_dir(out, r), r)]
     _write_points(out / "curves.csv", points)
     header = [f"# Experiment results: {Path(grid.out).name}", "",
-              f"Reproduce: `{command}` (commit {_commit()}); {len(done)} of {len(runs)} runs finished.",
+              f"Reproduce: `{command}` (code: {_commits(out, done)}); {len(done)} of {len(runs)} runs finished.",
               f"Base config `{grid.base}` with {', '.join(f'`--set {s}`' for s in grid.set) or 'no overrides'}; "
               f"arms {', '.join(grid.arms)}; seeds {', '.join(map(str, grid.seeds))}. "
               f"`{grid.baseline}` is solo training, `{grid.control}` is solo plus the task's reference solution "
@@ -125,12 +124,11 @@ def _write_points(path: Path, points: list[dict]) -> None:
         writer.writerows(points)
 
 
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + (" with local changes" if dirty else "")) or "unknown"
+def _commits(out: Path, done) -> str:
+    """The commits the finished runs ran on (``commits.txt``, written by the runner; the last entry of a run wins)."""
+    from experiments.runner import code_version
+
+    path = out / "commits.txt"
+    ran = dict(line.split() for line in path.read_text().splitlines() if len(line.split()) == 2) if path.exists() else {}
+    commits = sorted({ran[r.id] for r in done if r.id in ran})
+    return ", ".join(f"commit {c}" for c in commits) if commits else f"commit {code_version()} (when reported)"

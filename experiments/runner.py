@@ -20,6 +20,19 @@ from experiments.results import read_run
 LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
 
 
+def code_version() -> str:
+    """The project's git commit (and whether the work tree differs from it), or "unknown"."""
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+local-changes" if dirty else "")) or "unknown"
+
+
 def run_dir(out: Path, run: PlannedRun) -> Path:
     return out / "runs" / run.id
 
@@ -56,6 +69,8 @@ def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:
         config = out / "configs" / f"{run.id}.toml"
         config.write_bytes(config_toml(run.config))
         print(f"[{k}/{len(todo)}] {run.id}: running (log: {out / 'logs' / run.id}.log)", flush=True)
+        with open(out / "commits.txt", "a") as f:  # the code each run ran on, for results.md
+            f.write(f"{run.id} {code_version()}\n")
         started = time.time()
         with open(out / "logs" / f"{run.id}.log", "wb") as log:
             rc = subprocess.call([sys.executable, str(LAUNCH), "run", "--config", str(config), "--run-dir", str(path)],
