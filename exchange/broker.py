@@ -49,6 +49,7 @@ from exchange.protocol import (
     Unsubscribe,
     topic_for,
 )
+from exchange.security import CurveServer, KeyFileError
 
 @dataclass
 class _Subscriber:
@@ -76,13 +77,19 @@ class Broker:
         self.config = config
         self._own_context = context is None
         self._ctx = context or zmq.Context()
+        self._curve = (CurveServer(self._ctx, config.curve_secret_key, config.curve_allowed_dir)
+                       if config.curve else None)
+        if self._curve:
+            self._curve.start()  # before bind: no client is served unauthenticated
         self._frontend = self._ctx.socket(zmq.ROUTER)
         self._frontend.setsockopt(zmq.RCVHWM, config.hwm_frames)
-        self._frontend.bind(config.frontend)
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises Again instead of dropping
         self._backend.setsockopt(zmq.SNDHWM, config.hwm_frames)
-        self._backend.bind(config.backend)
+        for sock, endpoint in ((self._frontend, config.frontend), (self._backend, config.backend)):
+            if self._curve:
+                self._curve.apply(sock)
+            sock.bind(endpoint)
         self._decoder = Decoder((*MESSAGE_TYPES, Sync), config.max_frame_bytes)
         self._link_decoder = Decoder((Subscribe, Unsubscribe), config.max_frame_bytes)
         self._encoder = Encoder(config.max_frame_bytes)
@@ -313,6 +320,8 @@ class Broker:
             self._log.close()
         self._frontend.close(linger=100)
         self._backend.close(linger=100)
+        if self._curve:
+            self._curve.stop()
         if self._own_context:
             self._ctx.term()
 
@@ -357,14 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=None, help="experience log directory (default: no log)")
     parser.add_argument("--backlog-messages", type=int, default=defaults.backlog_messages, help="per-subscriber backlog bound (default: %(default)s)")
     parser.add_argument("--stats-interval", type=float, default=defaults.stats_interval_s, help="seconds between Stats (default: %(default)s)")
-    parser.add_argument("--allow-remote", action="store_true", help="allow binding non-loopback tcp addresses")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow binding non-loopback tcp addresses (needs --curve-secret-key and --curve-allowed-dir)")
+    parser.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                        help="the broker's NAME.key_secret (python launch.py keys DIR): CurveZMQ on")
+    parser.add_argument("--curve-allowed-dir", default=None, metavar="DIR",
+                        help="directory of the client public keys (*.key) the broker lets in")
     args = parser.parse_args(argv)
     config = BrokerConfig(frontend=args.frontend, backend=args.backend, log_dir=args.log_dir,
                           backlog_messages=args.backlog_messages, stats_interval_s=args.stats_interval,
-                          allow_remote=args.allow_remote)
+                          allow_remote=args.allow_remote, curve_secret_key=args.curve_secret_key,
+                          curve_allowed_dir=args.curve_allowed_dir)
     try:
         run_broker(config)
-    except (ConfigError, zmq.ZMQError, OSError) as exc:
+    except (ConfigError, KeyFileError, zmq.ZMQError, OSError) as exc:
         print(f"exchange broker: {exc}", file=sys.stderr)
         return 2
     return 0

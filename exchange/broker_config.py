@@ -27,7 +27,13 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stats_interval_s: float = 1.0
     drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
     name: str = "broker"  # Control target and Stats worker id
-    allow_remote: bool = False  # bind tcp on non-loopback addresses (exposes the run!)
+    allow_remote: bool = False  # bind tcp on non-loopback addresses (needs the two CURVE settings below)
+    curve_secret_key: str | None = None  # the broker's NAME.key_secret (launch.py keys): CurveZMQ on
+    curve_allowed_dir: str | None = None  # directory of the client public keys (*.key) let in
+
+    @property
+    def curve(self) -> bool:
+        return self.curve_secret_key is not None and self.curve_allowed_dir is not None
 
     def check(self) -> None:
         for key in ("frontend", "backend"):
@@ -36,8 +42,15 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if scheme not in ("tcp", "ipc", "inproc") or not rest:
                 raise ConfigError(f"{key} = {endpoint!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
             host = rest.rsplit(":", 1)[0]
-            if scheme == "tcp" and host not in _LOOPBACK_HOSTS and not self.allow_remote:
-                raise ConfigError(f"{key} = {endpoint!r} is not loopback; set allow_remote = true to expose the exchange")
+            if scheme == "tcp" and host not in _LOOPBACK_HOSTS:
+                if not self.allow_remote:
+                    raise ConfigError(f"{key} = {endpoint!r} is not loopback; set allow_remote = true to expose "
+                                      "the exchange")
+                if not self.curve:
+                    raise ConfigError(f"{key} = {endpoint!r} is not loopback: set curve_secret_key and "
+                                      "curve_allowed_dir (make keys with `python launch.py keys DIR`)")
+        if (self.curve_secret_key is None) != (self.curve_allowed_dir is None):
+            raise ConfigError("curve_secret_key and curve_allowed_dir go together: set both, or neither")
         if self.frontend == self.backend:
             raise ConfigError("frontend and backend must be different endpoints")
         for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes"):

@@ -33,6 +33,25 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     stats.add_argument("--count", type=int, default=0, help="exit after N reports (default: run until Ctrl-C)")
     stats.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for the broker (default: %(default)s)")
     stats.set_defaults(handler=_stats)
+    keys = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key, NAME.key_secret) for an exchange "
+                                       "that listens beyond loopback")
+    keys.add_argument("directory", help="where to write the two files")
+    keys.add_argument("--name", default="broker", help="file name stem (default: %(default)s); one pair per "
+                                                       "broker and per client machine")
+    keys.set_defaults(handler=_keys)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from exchange.security import make_keys
+
+    try:
+        public, secret = make_keys(args.directory, args.name)
+    except (FileExistsError, OSError) as exc:
+        print(f"keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {public} (public: copy it to the broker's curve_allowed_dir, or to clients if this is the "
+          f"broker's) and {secret} (secret: keep it on this machine, mode 600)")
+    return 0
 
 
 def format_message(msg: Message) -> str:

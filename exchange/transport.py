@@ -48,6 +48,7 @@ from exchange.protocol import (
     Synced,
     Unsubscribe,
 )
+from exchange.security import ClientKeys, apply_client
 
 _tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
 
@@ -68,6 +69,7 @@ class Publisher:
         hwm_frames: int = 64,  # frames queued in ZeroMQ before send waits
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         context: zmq.asyncio.Context | None = None,
+        curve: ClientKeys | None = None,  # keys for a CurveZMQ broker (exchange.security)
     ) -> None:
         self.endpoint = endpoint
         self.max_batch = max_batch
@@ -77,6 +79,7 @@ class Publisher:
         self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
         self._buf_bytes = 0
@@ -157,7 +160,8 @@ class BlockingPublisher:
     """
 
     def __init__(self, endpoint: str, *, max_batch: int = 256, hwm_frames: int = 64,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, context: zmq.Context | None = None) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, context: zmq.Context | None = None,
+                 curve: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.max_batch = max_batch
         self._encoder = Encoder(max_frame_bytes)
@@ -165,6 +169,7 @@ class BlockingPublisher:
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
 
@@ -212,6 +217,7 @@ class Subscriber:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         resubscribe_s: float = 2.0,
         context: zmq.asyncio.Context | None = None,
+        curve: ClientKeys | None = None,  # keys for a CurveZMQ broker (exchange.security)
     ) -> None:
         self.endpoint = endpoint
         self.topics = list(topics)
@@ -230,6 +236,7 @@ class Subscriber:
         self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RCVHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._subscribe()
 

@@ -14,6 +14,7 @@ from policies.objectives import (
     ObjectiveConfig,
     PRPConfig,
     SGTConfig,
+    SGTRefConfig,
     XGRPOConfig,
     compute_loss,
     get_objective,
@@ -30,8 +31,8 @@ def solo_batch() -> ObjectiveBatch:
 
 
 def test_builtin_names_and_kinds():
-    assert objective_names() == ["grpo", "prp", "sgt", "xgrpo"]
-    for cfg in (GRPOConfig(), XGRPOConfig(), PRPConfig(), SGTConfig()):
+    assert objective_names() == ["grpo", "prp", "sgt", "sgt_ref", "xgrpo"]
+    for cfg in (GRPOConfig(), XGRPOConfig(), PRPConfig(), SGTConfig(), SGTRefConfig()):
         assert get_objective(cfg.kind)[0] is type(cfg)
 
 
@@ -41,7 +42,7 @@ def test_duplicate_registration_is_refused():
 
 
 def test_unknown_name_lists_registered_ones():
-    with pytest.raises(KeyError, match="grpo, prp, sgt, xgrpo"):
+    with pytest.raises(KeyError, match="grpo, prp, sgt, sgt_ref, xgrpo"):
         get_objective("ppo")
 
 
