@@ -4,6 +4,7 @@
     python launch.py run --config F       run a config (configs/pool.toml: MWRA moving 8 workers live)
     python launch.py cache [--clear]      the cache of warm starts and converted tokenizers
     python launch.py experiment GRID      a grid of runs (objectives x seeds x models x tasks) and its results
+    python launch.py keys DIR             a CurveZMQ key pair, for an exchange beyond loopback
     python launch.py exchange tail ...    watch the live experience stream
     python launch.py exchange stats ...   message rates per topic
 """
