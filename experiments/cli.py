@@ -103,7 +103,8 @@ def write_results(grid, runs, out: Path, command: str) -> list[Path]:
               f"arms {', '.join(grid.arms)}; seeds {', '.join(map(str, grid.seeds))}. "
               f"`{grid.baseline}` is solo training, `{grid.control}` is solo plus the task's reference solution "
               "on the prompts where every own sample failed (the answer-key control). Every figure below is "
-              "computed from results.csv; intervals are Student-t over seeds.", ""]
+              "computed from results.csv; intervals are Student-t over seeds (95%), not corrected for the number of "
+              "comparisons: a cell makes a dozen or more, so about one in twenty may exclude 0 by chance alone.", ""]
     (out / "results.md").write_text(write_markdown(_read_back(out), grid.arms, grid.baseline, grid.control, header))
     return [out / "results.csv", out / "curves.csv", out / "results.md",
             *plots.learning_curves(points, grid.arms, out), *plots.gains(_read_back(out), grid.arms, out)]
