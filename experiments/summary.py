@@ -63,7 +63,10 @@ def cell_section(task: str, model_set: str, rows: list[dict], arms: list[str], b
                 e = paired(by_model[(m,)], a, ref)
                 cells.append("-" if e is None else f"{pts(e)} (p={e.p:.2f})" if not math.isnan(e.p) else pts(e))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
-    out += ["", "Objectives' own figures (mean over steps and seeds):", "",
+    out += ["", "Objectives' own figures (mean over steps and seeds). THL residual: the share of a peer's completion "
+            "that does not map one-to-one onto the receiver's tokens (GPT-2 writes \" 42\" as one token, Mistral as "
+            "three: that group is not one-to-one), measured for every peer sample received, whether the arm reads it "
+            "or not:", "",
             "| model | arm | " + " | ".join(label for _, label in COSTS) + " |", "|---|---|" + "---|" * len(COSTS)]
     for m in models:
         for a in present:
