@@ -22,6 +22,10 @@ def pts(e: Estimate, signed: bool = True) -> str:
     return f"{mean} [{100 * e.low:+.1f}, {100 * e.high:+.1f}]"
 
 
+def _p(p: float) -> str:
+    return "p<0.01" if p < 0.005 else f"p={p:.2f}"
+
+
 def _by(rows: list[dict], *keys: str) -> dict:
     out: dict = defaultdict(list)
     for r in rows:
@@ -61,7 +65,7 @@ def cell_section(task: str, model_set: str, rows: list[dict], arms: list[str], b
             cells = []
             for a in others:
                 e = paired(by_model[(m,)], a, ref)
-                cells.append("-" if e is None else f"{pts(e)} (p={e.p:.2f})" if not math.isnan(e.p) else pts(e))
+                cells.append("-" if e is None else f"{pts(e)} ({_p(e.p)})" if not math.isnan(e.p) else pts(e))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
     out += ["", "Objectives' own figures (mean over steps and seeds). THL residual: the share of a peer's completion "
             "that does not map one-to-one onto the receiver's tokens (GPT-2 writes \" 42\" as one token, Mistral as "
