@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from exchange.broker import BrokerConfig, ConfigError, spawn_broker
 from exchange.protocol import Experience
@@ -48,10 +50,11 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
                                        curve_allowed_dir=keys["allowed"], stats_interval_s=0.2))
 
     async def main() -> tuple[list[str], bool, bool]:
-        alice_sub = Subscriber(back, ["exp."], name="alice-sub", curve=keys["alice"])
+        ctx = zmq.asyncio.Context()  # our own: nothing another test left on the shared instance matters
+        alice_sub = Subscriber(back, ["exp."], name="alice-sub", curve=keys["alice"], context=ctx)
         await alice_sub.ready(timeout=30)
-        stranger_sub = Subscriber(back, ["exp."], name="mallory-sub", curve=keys["mallory"])
-        plain_sub = Subscriber(back, ["exp."], name="plain-sub")  # no keys at all
+        stranger_sub = Subscriber(back, ["exp."], name="mallory-sub", curve=keys["mallory"], context=ctx)
+        plain_sub = Subscriber(back, ["exp."], name="plain-sub", context=ctx)  # no keys at all
         refused = []
         for sub in (stranger_sub, plain_sub):
             try:
@@ -59,11 +62,11 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
                 refused.append(False)
             except (TimeoutError, asyncio.TimeoutError):
                 refused.append(True)
-        mallory = Publisher(front, curve=keys["mallory"])
+        mallory = Publisher(front, curve=keys["mallory"], context=ctx)
         for i in range(5):
             await mallory.send(make_experience(i, "evil"))
         await mallory.flush()
-        alice = Publisher(front, curve=keys["alice"])
+        alice = Publisher(front, curve=keys["alice"], context=ctx)
         for i in range(20):
             await alice.send(make_experience(i, "gpt2"))
         await alice.aclose()
@@ -75,10 +78,11 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
         mallory.close()
         for sub in (alice_sub, stranger_sub, plain_sub):
             sub.close()
+        ctx.destroy(linger=0)
         return got, refused[0], refused[1]
 
     try:
-        got, stranger_refused, plain_refused = asyncio.run(main())
+        got, stranger_refused, plain_refused = asyncio.run(asyncio.wait_for(main(), 100))
     finally:
         broker.terminate()
         broker.join(10)
