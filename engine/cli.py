@@ -1,4 +1,4 @@
-"""launch.py's engine subcommands: ``run`` (every training job) and ``cache`` (warm starts on disk)."""
+"""launch.py's engine subcommands: ``run`` (every training job), ``resume`` and ``cache`` (warm starts on disk)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="override a config value, e.g. --set train.steps=50 (repeatable)")
     run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
     run.set_defaults(handler=run_command)
+    resume = sub.add_parser("resume", help="continue a stopped or crashed run from its checkpoints and experience log")
+    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (it holds config.toml)")
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change what may change mid-run, e.g. --set train.steps=800 to train longer: "
+                             + ", ".join(f"{k}*" if k.endswith(".") else k for k in RESUMABLE))
+    resume.set_defaults(handler=resume_command)
     cache = sub.add_parser("cache", help="show (or --clear) the cache of warm starts and converted tokenizers")
     cache.add_argument("--clear", action="store_true", help="delete the cache (it is rebuilt when needed)")
     cache.set_defaults(handler=cache_command)
@@ -70,7 +76,65 @@ def run_command(args: argparse.Namespace) -> int:
     from engine.coordinator import Coordinator
 
     cfg, run_dir = opened
-    return uvloop.run(Coordinator(cfg, run_dir).run())
+    return finish_with_report(uvloop.run(Coordinator(cfg, run_dir).run()), run_dir)
+
+
+def finish_with_report(code: int, run_dir) -> int:
+    """Every run ends with its report (``monitor.report``) when it trained at all; a report problem never
+    changes the run's exit code."""
+    from monitor.report import ReportError, write_report
+
+    try:
+        print(f"report: {write_report([run_dir])}", flush=True)
+    except ReportError:
+        pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
+    return code
+
+
+RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
+             "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides what was trained
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
+    from pathlib import Path
+
+    from engine.config import ConfigError, load_run_config
+    from engine.runtime.metrics import MetricsWriter
+    from engine.runtime.rundir import write_resolved_config
+    from engine.train import checkpoint
+
+    run_dir = Path(args.run_dir)
+    try:
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(f"{run_dir}: not a run directory (no config.toml)")
+        for o in args.overrides:
+            key = o.split("=", 1)[0].strip()
+            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE):
+                raise ConfigError(f"--set {key}: a resumed run keeps what it trained with; only "
+                                  f"{', '.join(RESUMABLE)} may change")
+        cfg = load_run_config(str(run_dir / "config.toml"), args.overrides)
+        preflight(cfg)
+    except (ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    steps = {m: checkpoint.read_state(p)["step"] for m in cfg.names if (p := checkpoint.latest(run_dir, m))}
+    if len(steps) == len(cfg.names) and min(steps.values()) >= cfg.train.steps:
+        print(f"error: {run_dir}: every model has its {cfg.train.steps} steps; nothing to resume", file=sys.stderr)
+        return 2
+    before = {name.lower(): (run_dir / name).read_text().strip() for name in ("FAILED", "INTERRUPTED")
+              if (run_dir / name).is_file()}
+    MetricsWriter(run_dir, "engine").write(event="resumed", previous_end=before or "killed (no marker)")
+    for name in ("FAILED", "INTERRUPTED", "run_result.json"):
+        (run_dir / name).unlink(missing_ok=True)  # how it ended before is now the record above
+    if args.overrides:
+        write_resolved_config(cfg, run_dir)  # a later resume continues with these values
+    print(f"resuming {run_dir}", flush=True)
+    import uvloop
+
+    from engine.coordinator import Coordinator
+
+    return finish_with_report(uvloop.run(Coordinator(cfg, run_dir, resume=True).run()), run_dir)
 
 
 def cache_command(args: argparse.Namespace) -> int:

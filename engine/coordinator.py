@@ -42,6 +42,7 @@ from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, Halt, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json
+from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
@@ -51,8 +52,9 @@ from tasks.registry import make_task
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False):
-        self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False):
+        self.cfg, self.run_dir, self.quiet, self.resuming = cfg, run_dir, quiet, resume
+        self.resume_from: dict[str, str] = {}  # model -> checkpoint, for the workers spawned at the start
         self.names = cfg.names
         self.allocator, self.script = make_allocator(cfg), Script(cfg.pool.script)
         self.dispatch = Dispatch(cfg, make_task(cfg.task))
@@ -92,6 +94,8 @@ class Coordinator:
             self.prep_actors: list[actors.Actor] = []
             self.preps = await prepare_all(self.cfg, self.run_dir, self.prep_actors)
             if self.interrupted is None:
+                if self.resuming:
+                    self.resume_from = resume_plan(self)
                 await self._start()
                 await self.failures.watching(self._begin_and_drive())
                 self.t_stop = time.time()
@@ -132,6 +136,7 @@ class Coordinator:
         self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
         for i in range(self.cfg.pool.workers):
             self.spawn_worker(f"w{i}", i)
+        self.resume_from = {}  # a worker spawned later (a replacement) joins a group that has the state
         self.tasks = [asyncio.create_task(c) for c in (self._listen_plane(), self._listen_stats())]
         for task in self.tasks:
             task.add_done_callback(self._task_ended)
@@ -145,13 +150,14 @@ class Coordinator:
             self.failures.fatal = f"the coordinator's {task.get_coro().__name__} failed: {task.exception()!r}"
             self.changed.set()
 
-    def spawn_worker(self, wid: str, device_index: int) -> None:
+    def spawn_worker(self, wid: str, device_index: int, resume: dict[str, str] | None = None) -> None:
         warm_acc = {p.model: [p.warm_accuracy, p.warm_accuracy_stderr] for p in self.preps}
         plan = WorkerPlan(worker_id=wid, device_index=device_index, run_id=self.run_dir.name,
                           run_dir=str(self.run_dir), config=self.cfg, broker_in=self.broker_in,
                           broker_out=self.broker_out, plane=f"ipc://{self.sock_dir}/plane",
                           weights_root=str(self.weights_root),
-                          warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc)
+                          warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc,
+                          resume=self.resume_from if resume is None else resume)
         self.actors[wid] = actors.spawn(wid, "engine.roles.worker:run", msgspec.msgpack.encode(plan),
                                         self.cfg.pool.threads_per_worker)
         self.device_of[wid] = device_index

@@ -6,7 +6,8 @@ One thread, one poll loop (this is meant to be its own process: ``run_broker(con
 is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
 
 - Every frame is decoded and validated; bad frames and bad messages are counted
-  (``Stats.rejected_total``), never forwarded, never logged, never fatal.
+  (``Stats.rejected_total``, and per sender), never forwarded, never logged, never fatal.
+  A sender past ``max_rejects_per_sender`` is cut off (named on stderr and in ``Stats.cut_off``).
 - Every accepted Experience is appended to the log (if ``log_dir``) before it is routed.
   A publisher's ``Sync`` is answered after everything it sent before has been handled.
 - Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from exchange.broker_config import BrokerConfig, ConfigError
-from exchange.codec import DecodeError, Decoder, Encoder, Frame
+from exchange.codec import Decoder, Encoder, Frame
 from exchange.log import ExperienceLogWriter
 from exchange.protocol import (
     MESSAGE_TYPES,
@@ -50,6 +51,14 @@ from exchange.protocol import (
     topic_for,
 )
 from exchange.security import CurveServer, KeyFileError
+
+MAX_SENDERS_SHOWN = 32  # per-sender reject counts in Stats: the worst offenders
+
+
+def sender_name(identity: bytes) -> str:
+    """How logs and Stats name a publisher connection (ZeroMQ's routing id of it)."""
+    return f"peer-{identity.hex()}"
+
 
 @dataclass
 class _Subscriber:
@@ -100,6 +109,8 @@ class Broker:
         self._window = Counter()  # topic -> messages in this stats window
         self._window_rejected = self._window_dropped = self._window_exps = 0
         self._window_start = time.monotonic()
+        self._rejects_by: Counter[bytes] = Counter()  # sender identity -> bad messages
+        self._cut_off: set[bytes] = set()
 
     def request_stop(self, *_: object) -> None:
         self._stopping = True
@@ -139,6 +150,9 @@ class Broker:
                 parts = self._frontend.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if parts[0] in self._cut_off:  # dropped unread: this sender has sent too many bad frames
+                self._count_rejects(parts[0], len(parts[1:]) or 1)
+                continue
             for data in parts[1:] or [b""]:
                 self._accept(parts[0], self._decoder.decode_frame(data))
             if self._stopping or self._must_pause():
@@ -149,7 +163,7 @@ class Broker:
         return any(s.lossless and s.waiting >= self.config.backlog_messages for s in self._subs.values())
 
     def _accept(self, sender: bytes, frame: Frame) -> None:
-        self._count_rejects(frame.errors)
+        self._count_rejects(sender, len(frame.errors))
         messages = frame.messages
         syncs = [m for m in messages if type(m) is Sync]
         if syncs:  # link messages: answered below, never routed
@@ -255,7 +269,7 @@ class Broker:
             identity = parts[0]
             for data in parts[1:] or [b""]:
                 frame = self._link_decoder.decode_frame(data)
-                self._count_rejects(frame.errors)
+                self._count_rejects(identity, len(frame.errors))
                 for msg in frame.messages:
                     self._on_link(identity, msg)
 
@@ -275,10 +289,17 @@ class Broker:
         ack = Encoder.frame([self._encoder.encode(Subscribed(SCHEMA_VERSION, msg.token))])
         self._deliver(sub, ack, 0)
 
-    def _count_rejects(self, errors: list[DecodeError]) -> None:
-        if errors:
-            self.rejected += len(errors)
-            self._window_rejected += len(errors)
+    def _count_rejects(self, sender: bytes, n: int) -> None:
+        """Count ``n`` bad messages from ``sender``; past ``max_rejects_per_sender`` it is cut off, by name."""
+        if not n:
+            return
+        self.rejected += n
+        self._window_rejected += n
+        self._rejects_by[sender] += n
+        if self._rejects_by[sender] >= self.config.max_rejects_per_sender and sender not in self._cut_off:
+            self._cut_off.add(sender)
+            print(f"[{self.config.name}] sender {sender_name(sender)} cut off after {self._rejects_by[sender]} bad "
+                  "messages: what it sends from now on is dropped unread", file=sys.stderr, flush=True)
 
     # --- stats and shutdown ---
 
@@ -294,6 +315,8 @@ class Broker:
             accepted_total=self.accepted, rejected_total=self.rejected, dropped_total=self.dropped,
             topic_rates={t: c / window for t, c in self._window.items()},
             subscriber_backlog=backlog,
+            rejected_by_sender={sender_name(k): v for k, v in self._rejects_by.most_common(MAX_SENDERS_SHOWN)},
+            cut_off=sorted(sender_name(k) for k in self._cut_off)[:MAX_SENDERS_SHOWN],
         )
         self._window.clear()
         self._window_rejected = self._window_dropped = self._window_exps = 0

@@ -24,6 +24,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hwm_frames: int = 64  # ZeroMQ queue bound per socket/peer, in frames
     backlog_messages: int = 16384  # per-subscriber backlog bound kept by the broker
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are rejected unread
+    max_rejects_per_sender: int = 1000  # bad messages from one connection before it is cut off
     stats_interval_s: float = 1.0
     drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
     name: str = "broker"  # Control target and Stats worker id
@@ -53,7 +54,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("curve_secret_key and curve_allowed_dir go together: set both, or neither")
         if self.frontend == self.backend:
             raise ConfigError("frontend and backend must be different endpoints")
-        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes"):
+        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes", "max_rejects_per_sender"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         if not self.stats_interval_s > 0 or not self.drain_timeout_s >= 0:

@@ -110,6 +110,8 @@ class Stats(_Message, tag="stats"):
     dropped_total: int = 0
     topic_rates: dict[str, float] = {}  # messages/s per topic in the window
     subscriber_backlog: dict[str, int] = {}  # messages waiting per subscriber name (slow ones show here)
+    rejected_by_sender: dict[str, int] = {}  # bad messages per publisher connection (the worst ones)
+    cut_off: list[str] = []  # publishers past the broker's max_rejects_per_sender: dropped unread
 
 
 # coordinator -> monitors (workers get theirs over the engine's own plane)

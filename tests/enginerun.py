@@ -23,12 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 class Run:
     """``launch.py run`` in its own session (so a Ctrl-C reaches its whole process group, as in a terminal)."""
 
-    def __init__(self, run_dir: Path, cache: Path, *overrides: str, config: str = "configs/smoke.toml"):
+    def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml"):
         self.run_dir = run_dir
-        args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(ROOT / config), "--run-dir",
-                str(run_dir)]
-        for o in (f"run.cache_dir='{cache}'", *overrides):
-            args += ["--set", o]
+        if cache is None:  # `launch.py resume RUN_DIR`: everything comes from the run directory
+            args = [sys.executable, str(ROOT / "launch.py"), "resume", str(run_dir)]
+            for o in overrides:
+                args += ["--set", o]
+        else:
+            args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(ROOT / config), "--run-dir",
+                    str(run_dir)]
+            for o in (f"run.cache_dir='{cache}'", *overrides):
+                args += ["--set", o]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []

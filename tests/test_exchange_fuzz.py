@@ -196,3 +196,107 @@ def test_subscriber_counts_every_bad_frame_and_delivers_every_good_one(live_subs
 
     assert loop.run_until_complete(receive()) == goods
     assert sub.rejected == state["bad"]
+
+
+# --- a replayed corpus of 10,000 hostile frames, and a sender that is cut off ---
+
+def _corpus(n: int, seed: int = 7) -> list[bytes]:
+    """``n`` bad frames, deterministic: random bytes, truncations and bit flips of good frames, bad items."""
+    import random
+
+    rng, enc = random.Random(seed), Encoder()
+    whole = Encoder.frame([enc.encode(_good(0))])
+    items = [_wrong_type(i) for i in range(len(_TEMPLATE))] + [_with(reward=math.nan), _with(schema=SCHEMA_VERSION + 1)]
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append(bytes([rng.choice([0xC1, 0x00, 0xFF])]) + rng.randbytes(rng.randrange(0, 64)))
+        elif kind == 1:
+            out.append(whole[: rng.randrange(1, len(whole))])
+        elif kind == 2:
+            flipped = bytearray(whole)
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+            out.append(bytes(flipped) if bytes(flipped) != whole else b"\xc1")
+        else:
+            out.append(Encoder.frame([rng.choice(items)]))
+    return out
+
+
+def _broker(tmp, **settings_) -> tuple:
+    cfg = BrokerConfig(frontend=f"ipc://{tmp}/front", backend=f"ipc://{tmp}/back", log_dir=str(tmp / "log"),
+                       max_frame_bytes=CAP, stats_interval_s=0.05, **settings_)
+    return cfg, spawn_broker(cfg)
+
+
+async def _last_stats(sub: Subscriber, done) -> Stats:
+    while True:
+        msg = await asyncio.wait_for(sub.recv(), 60)
+        if isinstance(msg, Stats) and msg.role == "broker" and done(msg):
+            return msg
+
+
+def test_ten_thousand_hostile_frames_are_all_counted_and_the_broker_still_serves(tmp_path, loop):
+    cfg, proc = _broker(tmp_path, max_rejects_per_sender=10**9)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.DEALER)
+    push.connect(cfg.frontend)
+    sub = Subscriber(cfg.backend, ["exp.", "stats"], name="victim")
+    loop.run_until_complete(sub.ready())
+    corpus = _corpus(10_000)
+    for frame in corpus:
+        push.send(frame)
+    push.send(Encoder.frame([Encoder().encode(_good(99))]))  # the sentinel, after every hostile frame
+    stats = loop.run_until_complete(_last_stats(sub, lambda s: s.rejected_total + s.accepted_total > len(corpus)))
+    # a bit flip inside a token array leaves a well-formed message: the broker accepts it (the learner's
+    # ingest checks vocabulary and run id); random bytes, truncations and wrong types never pass
+    flips_that_decode = stats.accepted_total - 1
+    print(f"hostile frames: {len(corpus)} sent, {stats.rejected_total} rejected, {flips_that_decode} bit flips "
+          "decoded as well-formed messages (accepted)")
+    assert stats.rejected_total + flips_that_decode == len(corpus) and stats.rejected_total >= len(corpus) * 3 // 4
+    assert proc.is_alive()
+    push.send(Encoder.frame([Encoder().encode(Control(SCHEMA_VERSION, "stop"))]))
+    proc.join(30)
+    sub.close()
+    push.close(linger=0)
+    ctx.term()
+    assert proc.exitcode == 0
+
+
+def test_a_sender_past_the_bad_message_limit_is_cut_off_and_named(tmp_path, loop, capfd):
+    cfg, proc = _broker(tmp_path, max_rejects_per_sender=50)
+    ctx = zmq.Context()
+    hostile, honest = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.ROUTING_ID, b"mallory")
+    for s in (hostile, honest):
+        s.connect(cfg.frontend)
+    sub = Subscriber(cfg.backend, ["exp.", "stats"], name="victim")
+    loop.run_until_complete(sub.ready())
+    enc = Encoder()
+    for _ in range(60):
+        hostile.send(b"\xc1junk")
+    hostile.send(Encoder.frame([enc.encode(_good(1))]))  # a good frame after the cut-off: dropped unread
+    honest.send(Encoder.frame([enc.encode(_good(2))]))
+
+    async def check() -> Stats:
+        got = []
+        while not got:
+            msg = await asyncio.wait_for(sub.recv(), 30)
+            if isinstance(msg, Experience):
+                got.append(msg.experience_id)
+        assert got == [_good(2).experience_id]
+        return await _last_stats(sub, lambda s: s.rejected_total >= 61)
+
+    stats = loop.run_until_complete(check())
+    name = "peer-" + b"mallory".hex()
+    assert stats.rejected_total == 61 and stats.accepted_total == 1
+    assert stats.cut_off == [name] and stats.rejected_by_sender == {name: 61}
+    hostile.send(Encoder.frame([enc.encode(Control(SCHEMA_VERSION, "stop"))]))  # cut off: not even a stop
+    honest.send(Encoder.frame([enc.encode(Control(SCHEMA_VERSION, "stop"))]))
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert f"sender {name} cut off after 50 bad messages" in capfd.readouterr().err
+    sub.close()
+    for s in (hostile, honest):
+        s.close(linger=0)
+    ctx.term()

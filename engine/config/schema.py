@@ -37,6 +37,9 @@ class RunSection(_Section):
     mode: Literal["async", "sync"] = "async"  # sync: a unit of step k is generated with the weights of step k
     max_minutes: PosFloat = 14.0  # wall-clock cap of the RL phase; the run then stops cleanly
     cache_dir: str = ""  # warm starts, converted tokenizers; "" = $MUTUAL_RL_CACHE, else $XDG_CACHE_HOME/mutual_rl
+    checkpoint_every: Annotated[int, Meta(ge=0)] = 50  # learner steps between resumable checkpoints (0: at the end)
+    keep_checkpoints: PosInt = 2  # newest step checkpoints kept per model
+    tensorboard: bool = True  # every learner metric as TensorBoard scalars in RUN_DIR/tensorboard/<model>/
 
 
 class TrainSection(_Section):
@@ -110,6 +113,7 @@ class TimeoutSection(_Section):
     peer_wait_s: PosFloat = 5.0  # a learner waits this long for its peers' groups on a step's prompts
     peer_silent_s: PosFloat = 60.0  # a model whose learner has not stepped this long is declared gone
     weights_s: PosFloat = 60.0  # a generator waits for the weight version a unit asks for
+    logged_s: PosFloat = 60.0  # a generator waits for the broker to confirm a unit's samples (logged, routed)
     halt_s: PosFloat = 60.0  # generators finish their units after the stop
     final_s: PosFloat = 600.0  # learners checkpoint and run the final evaluation after the stop
     stop_s: PosFloat = 10.0  # a process told to stop exits within this, else it is killed

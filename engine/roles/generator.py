@@ -56,7 +56,9 @@ async def generate_role(worker, order: Order) -> None:
             await worker.pad_to_budget("gen", model, started, len(exps))
             for exp in exps:
                 await worker.pub.send(exp)
-            await worker.pub.flush()
+            # "done" means logged: the broker confirms it has the unit before the coordinator hears of it, so a
+            # halt right after cannot drop the last samples (the audit checks every done unit against the log)
+            await worker.pub.sync(worker.cfg.timeouts.logged_s)
             digest = "" if checked else params_digest(policy.module)
             checked = True
             await worker.plane.send(UnitDone(worker.id, model, unit.prompt_ids, len(exps), policy.version,

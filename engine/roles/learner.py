@@ -24,21 +24,25 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.config import tokenizer_cache
 from engine.prep.evaluation import held_out_accuracy
 from engine.runtime.metrics import MetricsWriter
+from engine.runtime.tbevents import EventWriter
 from engine.runtime.plane import GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone, StepReport
+from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.ingest import Ingest
 from engine.train.optim import adamw
 from engine.train.step import learning_rate, peers_for, train_share
 from engine.weights.channel import WeightWriter
+from exchange.log import ExperienceLogReader
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, WeightsReady
 from exchange.transport import Subscriber
-from policies.models import pad_token_id, save_policy
+from policies.models import pad_token_id
 from policies.objectives import peer_need
 from tokenbridge import load_tokenizer
 
@@ -76,6 +80,12 @@ class LearnerCore:
         # a CPU generator on any device: its state is what sync_state broadcasts and state_digest hashes
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + cfg.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
+        self.totals = {"own_experiences": 0, "peer_experiences": 0, "peer_used": 0, "peer_misses": 0,
+                       "staleness_dropped": 0}
+        self.consumed: set[int] = set()  # prompts trained before this run was resumed
+        self.resume = worker.resume.pop(model, None)  # a resumed run's checkpoint: taken once per worker
+        if self.resume is not None:  # every rank: the group's state_digest must agree before the first step
+            self.consumed = checkpoint.restore(Path(self.resume), self.state, self.totals, worker.device)
         self.peers = [n for n in cfg.names if n != model]
         self.need = peer_need(cfg.objective.kind)
         self.sub: Subscriber | None = None  # the leader's inbox, once opened
@@ -90,23 +100,42 @@ class LearnerCore:
         cache = tokenizer_cache(self.cfg)
         peers = {n: load_tokenizer(self.cfg.model(n).tokenizer, cache) for n in self.peers}
         self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id)
+        self.ingest.consumed.update(self.consumed)
         self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}")
         await self.sub.ready(timeout=self.cfg.timeouts.worker_start_s)
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: w.inbox.changed.set())
         self.metrics = MetricsWriter(w.plan.run_dir, self.model_name)
         self.writer = WeightWriter(w.plan_channel(self.model_name), self.module)
-        self.totals = {"own_experiences": 0, "peer_experiences": 0, "peer_used": 0, "peer_misses": 0,
-                       "staleness_dropped": 0}
         acc = w.plan.warm_accuracy.get(self.model_name, [None, None])
         self.warm = {"warm_accuracy": acc[0], "warm_accuracy_stderr": acc[1]}
         self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version, **self.warm)
+        tb_dir = Path(w.plan.run_dir) / "tensorboard" / self.model_name
+        self.tb = EventWriter(tb_dir) if self.cfg.run.tensorboard else None
+        self.log_scalars(self.state.version, self.warm)
+        if self.resume is not None:
+            await self._resume()
+
+    async def _resume(self) -> None:
+        """Generators get the checkpoint's weights; the log's experience of untrained prompts comes back in."""
+        await asyncio.to_thread(self.writer.publish, self.state.version)
+        log = ExperienceLogReader(Path(self.worker.plan.run_dir) / "experience_log")
+        replay = [e for e in log if e.prompt_id not in self.consumed and e.model in self.cfg.names]
+        for i in range(0, len(replay), MAX_INGEST_BATCH):
+            self.ingest.add_many(replay[i:i + MAX_INGEST_BATCH])
+            await asyncio.sleep(0)
+        self.metrics.write(event="resume", step=self.state.version, consumed=len(self.consumed),
+                           replayed=len(replay), checkpoint=self.resume)
 
     async def _listen(self) -> None:
         while True:  # what has arrived meanwhile comes as one batch: its peer completions cross the THL together
             msgs = await self.sub.recv_batch(MAX_INGEST_BATCH)
             self.ingest.add_many([m for m in msgs if isinstance(m, Experience)])
             self.worker.inbox.changed.set()
+
+    def log_scalars(self, step: int, record: dict) -> None:
+        if self.tb is not None:
+            self.tb.scalars(step, record)
 
     def check(self) -> None:
         self.worker.check_listener()
@@ -139,6 +168,8 @@ class LearnerCore:
             self.sub.close()
             self.writer.close()
             self.metrics.close()
+            if self.tb is not None:
+                self.tb.close()
             self.sub = None
 
 
@@ -297,6 +328,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         solve_rate=sum(s.verified for s in p.own) / n,
         staleness_mean=sum(version - 1 - s.weight_version for s in p.own) / n,
         thl_residual_mean=sum(s.residual for s in p.peers) / len(p.peers) if p.peers else None,
+        thl_residual_by_peer=_mean_by_peer(p.peers),
         thl_failures=core.ingest.failures, peer_late=core.ingest.late, peer_batch=len(p.peers),
         rejected=core.ingest.rejected_total,
         world=len(group.members), epoch=group.epoch, solo=p.solo, peers_gone=sorted(w.inbox.gone),
@@ -309,13 +341,27 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                       ev.live_problems, ev, core.cfg.train.max_new_tokens)
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
-    core.metrics.write(event="step", **record)
+    every = core.cfg.run.checkpoint_every
+    if every and version % every == 0 and version < core.cfg.train.steps:
+        started = time.time()
+        path = await asyncio.to_thread(checkpoint.save, w.plan.run_dir, core, core.cfg.run.keep_checkpoints)
+        record.update(checkpoint=str(path), checkpoint_s=round(time.time() - started, 3))
+    core.metrics.write(event="step", prompts=p.prompts, **record)
+    core.log_scalars(version, record)
     report = StepReport(record["reward_mean"], record["staleness_mean"], record["step_s"], t["own_experiences"],
                         t["peer_experiences"], record.get("accuracy"), t["peer_used"])
     await w.plane.send(StepDone(core.model_name, version, group.epoch, len(group.members), p.prompts, p.misses,
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,
                       record["staleness_mean"])
+
+
+def _mean_by_peer(peers: list) -> dict[str, float]:
+    """Mean THL residual of this step's bridged samples, per sending model."""
+    by: dict[str, list[float]] = {}
+    for s in peers:
+        by.setdefault(s.model, []).append(s.residual)
+    return {m: round(sum(v) / len(v), 4) for m, v in by.items()}
 
 
 async def _follow(core: LearnerCore, group: GroupSpec, rank: int) -> str:
@@ -346,12 +392,12 @@ async def _send_stats(core: LearnerCore, consumed: int, busy: float, idle: float
 async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     """Checkpoint, evaluate on held-out problems, report what was never trained."""
     cfg, w = core.cfg, core.worker
-    ckpt = f"{w.plan.run_dir}/checkpoints/{core.model_name}"
-    await asyncio.to_thread(save_policy, core.module, core.tok, ckpt)
+    ckpt = str(await asyncio.to_thread(checkpoint.save, w.plan.run_dir, core, cfg.run.keep_checkpoints))
     res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                   cfg.eval.num_problems, cfg.eval, cfg.train.max_new_tokens)
     queued = list(core.ingest.complete)
     t = core.totals
+    core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr})
     core.metrics.write(event="final", step=core.state.version, weight_version=core.state.version,
                        accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_n=res.n,
                        wall_s=round(time.time() - core.started, 2), checkpoint=ckpt,

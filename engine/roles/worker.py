@@ -50,6 +50,7 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     weights_root: str  # the run's weight channels (engine.weights.channel)
     warm_checkpoints: dict[str, str]  # model -> warm-start checkpoint
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
+    resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
 
 
 def worker_device(cfg: RunConfig, index: int) -> torch.device:
@@ -91,6 +92,7 @@ class Worker:
         self._tokenizers: dict[str, object] = {}  # model -> tokenizer (host memory, kept)
         self.policies: dict[str, Policy] = {}  # the current role's modules
         self.learners: dict[str, learner.LearnerCore] = {}  # model -> state, while this worker is its rank
+        self.resume = dict(plan.resume)  # model -> checkpoint; a learner role takes its model's entry once
         self.backend = None  # the generator role's inference engine
         self.reader = None  # the generator role's end of the weight channel ...
         self.reader_model = ""  # ... for this model
@@ -142,13 +144,15 @@ class Worker:
             self.listener.result()  # re-raise what killed it: never work on a dead inbox
 
     def policy(self, model: str) -> Policy:
-        """A model's module as this worker holds it; one not held is built from the warm start (version 0)."""
+        """A model's module as this worker holds it; one not held is built from the warm start (version 0),
+        or in a resumed run from the checkpoint (its learner publishes that version before any work)."""
         if model not in self.policies:
             m = self.cfg.model(model)
             if model not in self._tokenizers:
                 self._tokenizers[model] = load_tokenizer(m.tokenizer, tokenizer_cache(self.cfg))
             tok = self._tokenizers[model]
-            module = build_policy(model_spec(m, self.plan.warm_checkpoints[model]), tok).to(self.device)
+            start = self.plan.resume.get(model) or self.plan.warm_checkpoints[model]
+            module = build_policy(model_spec(m, start), tok).to(self.device)
             self.policies[model] = Policy(tok, module)
         return self.policies[model]
 

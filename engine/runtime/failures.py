@@ -7,8 +7,10 @@
   state is sent to every rank again); a fresh worker joins the group as a new rank. If the
   dead rank led the group, its inbox is lost: the prompts the model generated but never
   trained on are generated again.
-- A model whose last learner rank dies leaves the run: its peers train solo and say so,
-  and the run ends ``FAILED`` (it could not train every model as asked).
+- A model whose last learner rank dies is restarted on a fresh worker from its newest
+  checkpoint (``run.checkpoint_every``), the experience log replaying what that checkpoint
+  had not trained; with no checkpoint yet or no respawn left (``pool.max_respawns``) it
+  leaves the run: its peers train solo and say so, and the run ends ``FAILED``.
 - A group whose collective failed with nobody dead is re-formed as it was, at most
   ``MAX_BREAKS`` times in a row; then the model leaves the run.
 - The broker's death ends the run at once: nothing can flow without it.
@@ -22,6 +24,7 @@ import asyncio
 import sys
 
 from engine.runtime.plane import GroupBroken
+from engine.train import checkpoint
 
 DEATH_NOTICE_S = 1.0  # a broken group waits this long for the watch to see a death that explains it
 WATCH_EVERY_S = 0.2  # how often process liveness is polled
@@ -87,8 +90,10 @@ class FailurePolicy:
         c.metrics.write(event="worker_lost", worker=wid, role=role[0], gen_model=role[1], exitcode=code,
                         retaken_prompts=[p for u in units for p in u.prompt_ids])
         if role[0] == "learner" and not c.roster.groups[role[1]].members:
-            print(f"[run] {wid} ({what}) exited with code {code}", file=sys.stderr, flush=True)
-            await self.model_leaves(role[1], f"its last learner rank {wid} exited with code {code}")
+            restarted = None if c.stopping else self._restart_learner(wid, role[1])
+            print(f"[run] {wid} ({what}) exited with code {code}" + (restarted or ""), file=sys.stderr, flush=True)
+            if restarted is None:
+                await self.model_leaves(role[1], f"its last learner rank {wid} exited with code {code}")
             return
         if c.stopping:
             return
@@ -104,6 +109,22 @@ class FailurePolicy:
                  f"the run goes on with {len(c.roster.assignment)} workers"), file=sys.stderr, flush=True)
         await c.send_all(messages)
         c.dispatch_all()
+
+    def _restart_learner(self, dead: str, model: str) -> str | None:
+        """A model's last learner died: a fresh worker restarts it from its newest checkpoint, and the
+        experience log gives back what that checkpoint had not trained. None if no checkpoint or respawn is left."""
+        c = self.c
+        path = checkpoint.latest(c.run_dir, model)
+        if path is None or len(self.respawned) >= c.cfg.pool.max_respawns or model in self.left:
+            return None
+        step = checkpoint.read_state(path)["step"]
+        c.dispatch.steps[model] = step  # rewound: the steps after the checkpoint are trained again
+        new = f"w{len(c.device_of)}"
+        c.spawn_worker(new, c.device_of[dead], resume={model: str(path)})
+        self.respawned.append(new)
+        self.waiting_role[new] = ("learner", model)
+        c.metrics.write(event="learner_restart", gen_model=model, worker=new, step=step, checkpoint=str(path))
+        return f": {new} restarts {model}'s learner from its step-{step} checkpoint, replaying the log"
 
     def _respawn(self, dead: str, role: tuple[str, str]) -> str | None:
         c = self.c

@@ -98,6 +98,16 @@ class Dispatch:
             self.ready[model].appendleft(WorkUnit(model, step, self.G, problems, step if self.sync else 0))
             self.retaken[model].update(ids)
 
+    def resume(self, m: str, step: int, consumed: set[int], logged: dict[int, int]) -> list[int]:
+        """Continue model m after its learner's ``step`` (``engine.schedule.resume``): returns the prompts
+        handed out again, those neither trained (``consumed``) nor complete in the log (``logged``: samples)."""
+        self.steps[m] = step
+        seen = consumed | logged.keys()
+        self.issued[m] = max([step, *(p // self.Q + 1 for p in seen)])
+        owed = [p for p in range(self.issued[m] * self.Q) if p not in consumed and logged.get(p, 0) < self.G]
+        self.regenerate(m, owed)
+        return owed
+
     # --- what the coordinator sends ---
     def may_issue(self, m: str) -> bool:
         if m in self.out or self.issued[m] >= self.total_steps:

@@ -188,16 +188,19 @@ class WeightReader:
         return self.slots.head()[0] if self.slots.dir.is_dir() else 0
 
     def load(self) -> int:
-        """Switch to the newest version if it is newer than the one held; returns the version held."""
+        """Switch to the version the head names if it is not the one held; returns the version held.
+
+        Versions only grow, except when a model's learner is restarted from a checkpoint
+        (``engine.runtime.failures``): its head then names an older version, which is loaded too."""
         s = self.slots
         for _ in range(MAX_RETRIES):
             version, slot = s.head() if s.dir.is_dir() else (0, -1)
-            if version <= self.version:
+            if version == self.version or slot < 0:
                 return self.version
             fd = s.open(slot)
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a writer that is packing this slot
             stamp = s.stamp(slot)
-            if stamp <= self.version:  # the writer reused it since we read the head: read the head again
+            if stamp != version:  # the writer reused it since we read the head: read the head again
                 self._unlock(slot)
                 continue
             self._take(slot)

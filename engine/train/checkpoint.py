@@ -1,0 +1,99 @@
+"""Resumable checkpoints of a model's learner: ``checkpoints/<model>/step-NNNNNN/`` and ``latest``.
+
+A step directory is a save_pretrained model (safetensors, with the tokenizer) that any
+tool loads, plus what resuming needs: ``trainer.pt`` (AdamW state, the sampling RNG) and
+``state.json`` (step = weight version, the prompt ids this learner has trained on, its
+running totals). It is written whole into a hidden temporary directory, fsync'd, renamed
+into place, and only then does the ``latest`` symlink move to it (itself replaced by a
+rename), so a crash at any moment leaves ``latest`` naming a complete checkpoint. The
+newest ``run.keep_checkpoints`` step directories are kept.
+
+Which experience the learner consumed is recorded by prompt id: a resumed run replays
+every logged experience of the other prompts (``engine.train.ingest``), and hands out
+again whatever was never logged (``engine.schedule.dispatch``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from policies.models import save_policy
+
+LATEST = "latest"
+STATE, TRAINER = "state.json", "trainer.pt"
+
+
+def model_dir(run_dir: str | os.PathLike, model: str) -> Path:
+    return Path(run_dir) / "checkpoints" / model
+
+
+def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
+    """Checkpoint ``core`` (an ``engine.roles.learner.LearnerCore``); returns the step directory."""
+    root, version = model_dir(run_dir, core.model_name), core.state.version
+    final = root / f"step-{version:06d}"
+    if (root / LATEST).resolve() == final.resolve() and final.is_dir():
+        return final  # this step is saved already (a stop right after a periodic checkpoint)
+    trainer = io.BytesIO()
+    torch.save({"optimizer": core.state.optimizer.state_dict(), "rng": core.state.rng.get_state()}, trainer)
+    state = {"step": version, "consumed": sorted(core.ingest.consumed), "totals": core.totals}
+    tmp = root / f".step-{version:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(core.module, core.tok, tmp, {TRAINER: trainer.getvalue(), STATE: json.dumps(state).encode()})
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    link = root / f".{LATEST}.tmp"
+    link.unlink(missing_ok=True)
+    os.symlink(final.name, link)
+    os.replace(link, root / LATEST)
+    _fsync(root)
+    _prune(root, keep)
+    return final
+
+
+def latest(run_dir: str | os.PathLike, model: str) -> Path | None:
+    """The newest complete checkpoint of ``model`` in the run, or None."""
+    link = model_dir(run_dir, model) / LATEST
+    return link.resolve() if link.is_symlink() and (link / STATE).is_file() else None
+
+
+def read_state(step_dir: Path) -> dict:
+    return json.loads((step_dir / STATE).read_text())
+
+
+def restore(step_dir: Path, state, totals: dict, device: torch.device) -> set[int]:
+    """Load the trainer state into ``state`` (a ``TrainState``) and ``totals``; returns the consumed prompts."""
+    saved = read_state(step_dir)
+    trainer = torch.load(step_dir / TRAINER, map_location=device, weights_only=True)
+    state.optimizer.load_state_dict(trainer["optimizer"])
+    state.rng.set_state(trainer["rng"].cpu())
+    state.version = saved["step"]
+    totals.update(saved["totals"])
+    return set(saved["consumed"])
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            _fsync(p)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
