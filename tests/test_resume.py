@@ -8,6 +8,7 @@ one, must hold every prompt of the run exactly once. The experience log audit
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -63,9 +64,11 @@ def test_a_killed_launcher_resumes_from_its_checkpoints_and_the_log(tmp_path, en
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher only: its workers must notice and leave on their own
     run.finish()
     assert run.leftover() == [], "a killed launcher left processes behind"
+    orphans = glob.glob(f"/dev/shm/mutual-rl-{run.run_dir.name}-*")  # the killed coordinator's weight channels
     resumed = Run(run.run_dir, None)
     _check_resumed(resumed)
     assert "[resume] gpt2: from step" in resumed.out and "logged samples to replay" in resumed.out
+    assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
 
 
 @pytest.mark.slow
