@@ -127,6 +127,7 @@ class Coordinator:
     async def _start(self) -> None:
         hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
                               self.cfg.timeouts.worker_start_s)
+        self.hub = hub
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
         write_json(self.run_dir, "endpoints.json", {"publish": self.broker_in, "subscribe": self.broker_out})

@@ -5,10 +5,15 @@
 One thread, one poll loop (this is meant to be its own process: ``run_broker(config)``
 is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
 
-- Every frame is decoded and validated; bad frames and bad messages are counted
+- Every frame is decoded and validated (and, with ``run_id`` set, an Experience must carry
+  it); bad frames and bad messages are counted
   (``Stats.rejected_total``, and per sender), never forwarded, never logged, never fatal.
   A sender past ``max_rejects_per_sender`` is cut off (named on stderr and in ``Stats.cut_off``).
-- Every accepted Experience is appended to the log (if ``log_dir``) before it is routed.
+- Every accepted Experience is appended to the log (if ``log_dir``) and handed to the kernel
+  before it is routed,
+  once: an experience id the log holds already (a publisher re-sending what a broker that
+  died never confirmed; the ids of an existing log are read on start) is counted in
+  ``Stats.duplicate_total`` and neither logged nor routed again.
   A publisher's ``Sync`` is answered after everything it sent before has been handled.
 - Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
   backlog here, bounded by ``backlog_messages``. Lossless subscribers over the bound
@@ -35,7 +40,7 @@ import zmq
 
 from exchange.broker_config import BrokerConfig, ConfigError
 from exchange.codec import Decoder, Encoder, Frame
-from exchange.log import ExperienceLogWriter
+from exchange.log import ExperienceLogReader, ExperienceLogWriter
 from exchange.protocol import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -103,6 +108,10 @@ class Broker:
         self._link_decoder = Decoder((Subscribe, Unsubscribe), config.max_frame_bytes)
         self._encoder = Encoder(config.max_frame_bytes)
         self._log = ExperienceLogWriter(config.log_dir, config.segment_bytes) if config.log_dir else None
+        # the ids of everything logged: a restarted broker reopens the log and refuses what it holds already
+        self._logged_ids: set[str] | None = (
+            {e.experience_id for e in ExperienceLogReader(config.log_dir)} if self._log else None)
+        self.duplicates = 0
         self._subs: dict[bytes, _Subscriber] = {}
         self._stopping = False
         self.accepted = self.rejected = self.dropped = 0
@@ -164,6 +173,8 @@ class Broker:
 
     def _accept(self, sender: bytes, frame: Frame) -> None:
         self._count_rejects(sender, len(frame.errors))
+        if self.config.run_id:
+            frame = self._this_run_only(sender, frame)
         messages = frame.messages
         syncs = [m for m in messages if type(m) is Sync]
         if syncs:  # link messages: answered below, never routed
@@ -175,6 +186,10 @@ class Broker:
             self._answer_sync(sender, sync)
 
     def _route_accepted(self, frame: Frame) -> None:
+        if self._logged_ids is not None:
+            frame = self._without_repeats(frame)
+            if not frame.messages:
+                return
         messages = frame.messages
         self.accepted += len(messages)
         topics = [topic_for(m) for m in messages]
@@ -185,10 +200,34 @@ class Broker:
                 self._log.append_frame(frame.whole)  # the frame is already a log payload
             else:
                 self._log.append_raw([raw for m, raw in zip(messages, frame.raws) if type(m) is Experience])
+            self._log.flush()  # in the kernel before anyone sees it: a killed broker never routed what it lost
         self._route(topics, frame)
         for m in messages:
             if type(m) is Control and m.command == "stop" and m.target in ("*", self.config.name):
                 self._stopping = True
+
+    def _this_run_only(self, sender: bytes, frame: Frame) -> Frame:
+        """``frame`` less the experiences of another run id (counted as rejected against ``sender``)."""
+        run_id = self.config.run_id
+        keep = [i for i, m in enumerate(frame.messages) if type(m) is not Experience or m.run_id == run_id]
+        if len(keep) == len(frame.messages):
+            return frame
+        self._count_rejects(sender, len(frame.messages) - len(keep))
+        return Frame([frame.messages[i] for i in keep], [frame.raws[i] for i in keep])
+
+    def _without_repeats(self, frame: Frame) -> Frame:
+        """``frame`` less the experiences whose id is logged already (counted in ``duplicates``)."""
+        seen, keep = self._logged_ids, []
+        for i, m in enumerate(frame.messages):
+            if type(m) is Experience:
+                if m.experience_id in seen:
+                    continue
+                seen.add(m.experience_id)
+            keep.append(i)
+        if len(keep) == len(frame.messages):
+            return frame
+        self.duplicates += len(frame.messages) - len(keep)
+        return Frame([frame.messages[i] for i in keep], [frame.raws[i] for i in keep])
 
     def _answer_sync(self, sender: bytes, sync: Sync) -> None:
         if self._log:
@@ -317,6 +356,7 @@ class Broker:
             subscriber_backlog=backlog,
             rejected_by_sender={sender_name(k): v for k, v in self._rejects_by.most_common(MAX_SENDERS_SHOWN)},
             cut_off=sorted(sender_name(k) for k in self._cut_off)[:MAX_SENDERS_SHOWN],
+            duplicate_total=self.duplicates,
         )
         self._window.clear()
         self._window_rejected = self._window_dropped = self._window_exps = 0

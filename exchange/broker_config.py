@@ -28,6 +28,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stats_interval_s: float = 1.0
     drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
     name: str = "broker"  # Control target and Stats worker id
+    run_id: str = ""  # if set, an Experience of another run id is rejected (counted against its sender), never logged
     allow_remote: bool = False  # bind tcp on non-loopback addresses (needs the two CURVE settings below)
     curve_secret_key: str | None = None  # the broker's NAME.key_secret (launch.py keys): CurveZMQ on
     curve_allowed_dir: str | None = None  # directory of the client public keys (*.key) let in

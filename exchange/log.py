@@ -14,7 +14,8 @@ the last segment. ``ExperienceLogWriter`` detects it on open (length past end of
 or a bad checksum on the final frame) and truncates it; a bad frame *followed by good
 data* is corruption, not a tear, and raises ``LogCorrupt`` naming the file and offset.
 Readers stop quietly at a torn tail (the writer may still be appending).
-Durability is the OS page cache: ``flush()`` hands bytes to the kernel, no fsync.
+Durability is the OS page cache: ``flush()`` hands bytes to the kernel; ``fsync_log(DIR)``
+(any process: a learner calls it at each checkpoint) makes what the kernel holds durable.
 """
 
 from __future__ import annotations
@@ -136,6 +137,19 @@ class ExperienceLogWriter:
         self.close()
 
 
+def fsync_log(directory: str | os.PathLike) -> None:
+    """fsync every segment and the directory: what the writer has flushed survives a power loss.
+
+    Works from any process (fsync on a read-only descriptor flushes the file's dirty pages)."""
+    root = Path(directory)
+    for path in [*_segments(root), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class ExperienceLogReader:
     """Reads a log directory (safe while a writer appends). Iterating yields every Experience in order."""
 
@@ -181,4 +195,4 @@ class ExperienceLogReader:
         return groups
 
 
-__all__ = ["ExperienceLogWriter", "ExperienceLogReader", "LogPosition", "LogCorrupt"]
+__all__ = ["ExperienceLogWriter", "ExperienceLogReader", "LogPosition", "LogCorrupt", "fsync_log"]

@@ -112,6 +112,7 @@ class Stats(_Message, tag="stats"):
     subscriber_backlog: dict[str, int] = {}  # messages waiting per subscriber name (slow ones show here)
     rejected_by_sender: dict[str, int] = {}  # bad messages per publisher connection (the worst ones)
     cut_off: list[str] = []  # publishers past the broker's max_rejects_per_sender: dropped unread
+    duplicate_total: int = 0  # experiences whose id the log holds already (a publisher re-sent them): not routed
 
 
 # coordinator -> monitors (workers get theirs over the engine's own plane)

@@ -10,6 +10,9 @@ socket queue fills to ``hwm_frames`` and ``send``/``flush`` wait. Never drops.
 Confirms: ``await sync()`` returns once the broker has processed (logged, routed or counted
 as rejected) everything sent before it; ``aclose()`` syncs before closing, so a process
 that exits after ``aclose()`` has lost nothing (ZeroMQ alone would drop its queue on exit).
+Survives a broker restart: the frames sent since the last confirmed sync are kept (up to
+``keep_unconfirmed_bytes``); a sync not answered within ``resend_every_s`` sends them again
+(ZeroMQ has reconnected to the new broker by then, which refuses ids its log holds already).
 
 Subscriber: a DEALER socket connected to the broker's backend. It announces its topic
 prefixes with ``Subscribe``; ``await ready()`` returns once the broker has answered
@@ -20,7 +23,9 @@ stops reading publishers until it catches up. ``lossless=False`` (monitors, taps
 broker drops what does not fit and counts it in its Stats. Bad frames are decoded into
 typed errors, counted in ``rejected`` (last one kept in ``last_error``), never raised.
 If nothing arrives for ``resubscribe_s`` the subscription is re-sent (idempotent), so a
-restarted broker picks its subscribers up again.
+restarted broker picks its subscribers up again; ``await resubscribe()`` does it at once and
+returns when a broker has confirmed it (a subscriber that knows the broker restarted then
+replays the log up to that point: nothing routed before it falls in between).
 
 All socket I/O goes through pyzmq's asyncio layer (never a blocking call on the loop).
 """
@@ -28,6 +33,7 @@ All socket I/O goes through pyzmq's asyncio layer (never a blocking call on the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import time
@@ -70,8 +76,16 @@ class Publisher:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         context: zmq.asyncio.Context | None = None,
         curve: ClientKeys | None = None,  # keys for a CurveZMQ broker (exchange.security)
+        resend_every_s: float = 5.0,  # a sync unanswered this long re-sends what is unconfirmed
+        keep_unconfirmed_bytes: int = 16 << 20,  # beyond this the oldest unconfirmed frames are forgotten
     ) -> None:
         self.endpoint = endpoint
+        self.resend_every_s = resend_every_s
+        self.keep_unconfirmed_bytes = keep_unconfirmed_bytes
+        self._unconfirmed: collections.deque[bytes] = collections.deque()  # frames sent since the last confirmed sync
+        self._unconfirmed_bytes = 0
+        self.resent = 0  # frames sent again because a sync went unanswered
+        self.unprotected = 0  # unconfirmed frames forgotten past keep_unconfirmed_bytes
         self.max_batch = max_batch
         self.max_batch_bytes = min(max_batch_bytes, max_frame_bytes)
         self._encoder = Encoder(max_frame_bytes)
@@ -115,8 +129,21 @@ class Publisher:
         while self._buf:
             items, self._buf = self._buf[: self.max_batch], self._buf[self.max_batch :]
             self._buf_bytes = sum(map(len, self._buf)) if self._buf else 0
-            await self._sock.send(Encoder.frame(items), copy=False)
+            frame = Encoder.frame(items)
+            await self._sock.send(frame, copy=False)
             self.sent += len(items)  # (a Sync counts too; close enough for a progress figure)
+            self._keep(frame)
+
+    def _keep(self, frame: bytes) -> None:
+        self._unconfirmed.append(frame)
+        self._unconfirmed_bytes += len(frame)
+        while self._unconfirmed_bytes > self.keep_unconfirmed_bytes and len(self._unconfirmed) > 1:
+            self._unconfirmed_bytes -= len(self._unconfirmed.popleft())
+            self.unprotected += 1
+
+    def _confirmed(self, n_frames: int) -> None:
+        for _ in range(min(n_frames, len(self._unconfirmed))):
+            self._unconfirmed_bytes -= len(self._unconfirmed.popleft())
 
     async def flush(self) -> None:
         """Wait until every buffered message is handed to ZeroMQ (queued, not yet confirmed)."""
@@ -129,13 +156,23 @@ class Publisher:
         token = next(_tokens)
         self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))  # rides with the last data
         await self.flush()
+        covered = len(self._unconfirmed)  # the Sync is in the last of these frames
         deadline = time.monotonic() + timeout
+        resend_at = time.monotonic() + self.resend_every_s
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not await self._sock.poll(left_ms, zmq.POLLIN):
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(f"the broker at {self.endpoint} did not confirm {self.sent} sent messages within {timeout:g} s")
+            if now >= resend_at:  # the broker may have died and come back: what it never confirmed goes again
+                for frame in list(self._unconfirmed)[:covered]:
+                    await self._sock.send(frame, copy=False)
+                self.resent += covered
+                resend_at = now + self.resend_every_s
+            if not await self._sock.poll(int((min(deadline, resend_at) - now) * 1000) + 1, zmq.POLLIN):
+                continue
             frame = self._decoder.decode_frame(await self._sock.recv())
             if any(m.token == token for m in frame.messages):
+                self._confirmed(covered)
                 return
 
     async def aclose(self, timeout: float = 30.0) -> None:
@@ -231,6 +268,8 @@ class Subscriber:
         self._encoder = Encoder()
         self._token = next(_tokens)
         self._ready = False
+        self.confirmations = 0  # Subscribed answers received (one per subscription the broker took)
+        self._confirmed = asyncio.Event()  # (binds to a loop on first use)
         self.broker_closed = False  # the broker said Closing: everything it had for us has arrived
         self._queue: deque = deque()
         self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
@@ -270,6 +309,15 @@ class Subscriber:
         while not self._ready:
             await self._fill()
 
+    async def resubscribe(self, timeout: float = 10.0) -> None:
+        """Subscribe again now; return once a broker confirmed it (someone must be receiving meanwhile)."""
+        self._confirmed.clear()
+        await self._send_link(self._subscribe_frame())
+        try:
+            await asyncio.wait_for(self._confirmed.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no broker confirmed the subscription at {self.endpoint} within {timeout:g} s") from None
+
     async def recv(self) -> Message:
         """The next message on the subscribed topics (waits; never raises for bad frames)."""
         while not self._queue:
@@ -299,7 +347,10 @@ class Subscriber:
             self.last_error = frame.errors[-1]
         for msg in frame.messages:
             if type(msg) is Subscribed:
-                self._ready = self._ready or msg.token == self._token
+                if msg.token == self._token:
+                    self._ready = True
+                    self.confirmations += 1
+                    self._confirmed.set()
             elif type(msg) is Closing:
                 self.broker_closed = True
                 await self._send_link(Encoder.frame([self._encoder.encode(Unsubscribe(SCHEMA_VERSION))]))

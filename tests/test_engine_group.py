@@ -133,3 +133,17 @@ def test_a_collective_with_a_dead_rank_fails_loudly_instead_of_hanging(tmp_path)
             dp.allreduce_grads([torch.nn.Parameter(torch.ones(4))])
     finally:
         dp.leave()
+
+
+def test_the_rendezvous_listens_on_the_groups_address_only():
+    """torch's TCPStore alone listens on every interface; the group's rank 0 serves it on 127.0.0.1 only."""
+    import psutil
+
+    port = free_port()
+    dp.join(f"tcp://127.0.0.1:{port}", 0, 1, 30)
+    try:
+        listening = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"]
+    finally:
+        dp.leave()
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+    assert any(addr.port == port for addr in listening)

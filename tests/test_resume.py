@@ -38,8 +38,8 @@ def _lineage(records: list[dict], model: str) -> list[int]:
     return [p for r in before + after for p in r["prompts"]]
 
 
-def _check_resumed(run: Run) -> None:
-    assert run.finish() == 0, run.out[-3000:]
+def _check_every_prompt_once(run: Run) -> None:
+    """Every step was taken, the audit is clean, and each model's lineage trained every prompt exactly once."""
     result = run.result()
     assert result["steps"] == {"gpt2": STEPS, "llama": STEPS}
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
@@ -48,6 +48,11 @@ def _check_resumed(run: Run) -> None:
         trained = _lineage(records, model)
         print(f"{model}: {len(trained)} prompts trained, {len(set(trained))} distinct; audit {result['audit']}")
         assert sorted(trained) == list(range(STEPS * Q)), f"{model}: a prompt skipped or trained twice"
+
+
+def _check_resumed(run: Run) -> None:
+    assert run.finish() == 0, run.out[-3000:]
+    _check_every_prompt_once(run)
     assert not (run.run_dir / "FAILED").exists() and not (run.run_dir / "INTERRUPTED").exists()
     assert run.leftover() == []
     report = (run.run_dir / "report.md").read_text()  # every run ends with its report, covering both sessions
@@ -107,6 +112,19 @@ def test_a_dead_last_learner_restarts_from_its_checkpoint_inside_the_run(tmp_pat
     result = run.result()
     assert result["steps"] == {"gpt2": STEPS, "llama": STEPS} and result["respawned"] == ["w4"]
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    assert run.leftover() == []
+
+
+@pytest.mark.slow
+def test_a_killed_broker_is_restarted_and_the_run_loses_and_repeats_nothing(tmp_path, engine_cache):
+    run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}")
+    run.wait_steps(3, "llama", timeout=900)
+    run.kill_worker("broker")
+    assert run.finish() == 0, run.out[-3000:]
+    assert "[run] the broker exited with code -9 while the run was going: restarting it" in run.out
+    assert [r["restarts"] for r in run.events("broker_restart")] == [1]
+    assert {r["model"] for r in run.events("broker_replay")} == {"gpt2", "llama"}  # each leader re-read the log
+    _check_every_prompt_once(run)
     assert run.leftover() == []
 
 

@@ -90,6 +90,8 @@ class PoolSection(_Section):
     threads_per_worker: PosInt = 1  # torch threads of each worker process
     prompts_per_work: Annotated[int, Meta(ge=0)] = 0  # prompts per work unit; 0 = a whole step's batch
     max_respawns: Annotated[int, Meta(ge=0)] = 3  # dead workers replaced by fresh processes, per run
+    max_broker_restarts: Annotated[int, Meta(ge=0)] = 3  # a dead broker started again on its endpoints and log
+    restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0  # a model's n-th learner restart waits 2**(n-1) times this
     controller: dict[str, float] = {}  # MWRA settings (decision_interval_s, cooldown_s, ...)
     controller_every_s: PosFloat = 1.0  # how often the coordinator consults the allocator
     script: list[ScriptedMove] = []  # forced moves, on top of the allocator

@@ -39,7 +39,7 @@ from engine.train.ingest import Ingest
 from engine.train.optim import adamw
 from engine.train.step import learning_rate, peers_for, train_share
 from engine.weights.channel import WeightWriter
-from exchange.log import ExperienceLogReader
+from exchange.log import ExperienceLogReader, fsync_log
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, WeightsReady
 from exchange.transport import Subscriber
 from policies.models import pad_token_id
@@ -119,13 +119,37 @@ class LearnerCore:
     async def _resume(self) -> None:
         """Generators get the checkpoint's weights; the log's experience of untrained prompts comes back in."""
         await asyncio.to_thread(self.writer.publish, self.state.version)
+        replayed = await self._replay_log()
+        self.metrics.write(event="resume", step=self.state.version, consumed=len(self.consumed),
+                           replayed=replayed, checkpoint=self.resume)
+
+    async def _replay_log(self) -> int:
+        """Every logged experience of a prompt not trained yet goes to the inbox (which keeps the first copy of
+        each sample); returns how many were read."""
         log = ExperienceLogReader(Path(self.worker.plan.run_dir) / "experience_log")
-        replay = [e for e in log if e.prompt_id not in self.consumed and e.model in self.cfg.names]
+        consumed = self.ingest.consumed
+        replay = [e for e in log if e.prompt_id not in consumed and e.model in self.cfg.names]
         for i in range(0, len(replay), MAX_INGEST_BATCH):
             self.ingest.add_many(replay[i:i + MAX_INGEST_BATCH])
             await asyncio.sleep(0)
-        self.metrics.write(event="resume", step=self.state.version, consumed=len(self.consumed),
-                           replayed=len(replay), checkpoint=self.resume)
+        self.worker.inbox.changed.set()
+        return len(replay)
+
+    def broker_restarted(self, restarts: int) -> None:
+        """A new broker: once it has our subscription, the log holds whatever the old one never routed to us."""
+        if self.sub is not None:
+            self.rejoin = asyncio.create_task(self._rejoin_broker(restarts))
+
+    async def _rejoin_broker(self, restarts: int) -> None:
+        try:
+            await self.sub.resubscribe(self.cfg.timeouts.worker_start_s)
+        except TimeoutError as exc:
+            print(f"[{self.worker.id}] {self.model_name}: {exc}", file=sys.stderr, flush=True)
+            return
+        before = len(self.ingest.seen)
+        replayed = await self._replay_log()
+        self.metrics.write(event="broker_replay", step=self.state.version, restarts=restarts, read=replayed,
+                           recovered=len(self.ingest.seen) - before)
 
     async def _listen(self) -> None:
         while True:  # what has arrived meanwhile comes as one batch: its peer completions cross the THL together
@@ -344,7 +368,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     every = core.cfg.run.checkpoint_every
     if every and version % every == 0 and version < core.cfg.train.steps:
         started = time.time()
-        path = await asyncio.to_thread(checkpoint.save, w.plan.run_dir, core, core.cfg.run.keep_checkpoints)
+        path = await asyncio.to_thread(_checkpoint, core)
         record.update(checkpoint=str(path), checkpoint_s=round(time.time() - started, 3))
     core.metrics.write(event="step", prompts=p.prompts, **record)
     core.log_scalars(version, record)
@@ -354,6 +378,14 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,
                       record["staleness_mean"])
+
+
+def _checkpoint(core: LearnerCore) -> Path:
+    """fsync the experience log, then checkpoint: every experience the checkpoint counts as consumed, and all
+    logged before it, is on disk with it (the broker hands the log to the kernel before it routes anything)."""
+    run_dir = core.worker.plan.run_dir
+    fsync_log(Path(run_dir) / "experience_log")
+    return checkpoint.save(run_dir, core, core.cfg.run.keep_checkpoints)
 
 
 def _mean_by_peer(peers: list) -> dict[str, float]:
@@ -392,7 +424,7 @@ async def _send_stats(core: LearnerCore, consumed: int, busy: float, idle: float
 async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     """Checkpoint, evaluate on held-out problems, report what was never trained."""
     cfg, w = core.cfg, core.worker
-    ckpt = str(await asyncio.to_thread(checkpoint.save, w.plan.run_dir, core, cfg.run.keep_checkpoints))
+    ckpt = str(await asyncio.to_thread(_checkpoint, core))
     res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                   cfg.eval.num_problems, cfg.eval, cfg.train.max_new_tokens)
     queued = list(core.ingest.complete)
@@ -402,6 +434,7 @@ async def _finish(core: LearnerCore, stopped_early: bool) -> None:
                        accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_n=res.n,
                        wall_s=round(time.time() - core.started, 2), checkpoint=ckpt,
                        warm_checkpoint=w.plan.warm_checkpoints[core.model_name], stopped_early=stopped_early,
-                       queued_groups=len(queued), **core.warm, **t)
+                       queued_groups=len(queued), rejected=core.ingest.rejected_total,
+                       rejected_by=dict(core.ingest.rejected), **core.warm, **t)
     await w.plane.send(LearnerFinal(core.model_name, core.state.version, queued, ckpt, res.accuracy, res.stderr,
                                     res.n, t["own_experiences"], t["peer_experiences"], t["peer_used"], stopped_early))

@@ -29,7 +29,8 @@ from engine.config import RunConfig, model_spec, tokenizer_cache
 from engine.roles import generator, learner
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
 from engine.runtime.metrics import MetricsWriter
-from engine.runtime.plane import GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work, WorkerPlane, WorkUnit
+from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
+                                  WorkerPlane, WorkUnit)
 from exchange.transport import Publisher
 from policies.models import build_policy
 from tasks.registry import make_task
@@ -137,6 +138,9 @@ class Worker:
                 self.inbox.gone = dict(msg.gone)
             elif isinstance(msg, Halt):
                 self.inbox.halt = True
+            elif isinstance(msg, BrokerBack):
+                for core in self.learners.values():
+                    core.broker_restarted(msg.restarts)
             self.inbox.changed.set()
 
     def check_listener(self) -> None:

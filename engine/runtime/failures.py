@@ -9,13 +9,18 @@
   trained on are generated again.
 - A model whose last learner rank dies is restarted on a fresh worker from its newest
   checkpoint (``run.checkpoint_every``), the experience log replaying what that checkpoint
-  had not trained; with no checkpoint yet or no respawn left (``pool.max_respawns``) it
-  leaves the run: its peers train solo and say so, and the run ends ``FAILED``.
+  had not trained; the n-th restart of a model waits ``pool.restart_backoff_s * 2**(n-1)``
+  first. With no checkpoint yet or no respawn left (``pool.max_respawns``) it leaves the
+  run: its peers train solo and say so, and the run ends ``FAILED``.
 - A group whose collective failed with nobody dead is re-formed as it was, at most
   ``MAX_BREAKS`` times in a row; then the model leaves the run.
-- The broker's death ends the run at once: nothing can flow without it.
+- A broker that dies is started again on the same endpoints and log (``pool.max_broker_restarts``
+  times): publishers re-send what it never confirmed (it refuses ids it logged already),
+  and each leader re-subscribes and replays the log for what never reached it. Past the
+  bound, or if the new broker does not come up, the run ends.
 
-Every case is one line on stderr and one metrics record (``worker_lost``, ``model_left``).
+Every case is one line on stderr and one metrics record (``worker_lost``, ``learner_restart``,
+``broker_restart``, ``model_left``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from engine.runtime.plane import GroupBroken
+from engine.runtime.hub import restart_broker
+from engine.runtime.plane import BrokerBack, GroupBroken
+from engine.runtime.rundir import write_json
 from engine.train import checkpoint
 
 DEATH_NOTICE_S = 1.0  # a broken group waits this long for the watch to see a death that explains it
@@ -45,6 +52,8 @@ class FailurePolicy:
         self.breaks: dict[str, int] = {}
         self.messages: list[str] = []  # why the run is FAILED
         self.fatal: str | None = None
+        self.broker_restarts = 0
+        self.learner_restarts: dict[str, int] = {}
 
     def fail(self, text: str) -> None:
         if text not in self.messages:
@@ -72,8 +81,9 @@ class FailurePolicy:
                     continue
                 seen.add(name)
                 if name == "broker":
-                    self.fatal = f"the broker exited with code {actor.exitcode} while the run was going"
-                    print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
+                    if await self._broker_died(actor.exitcode):
+                        seen.discard(name)
+                        continue
                     self.c.changed.set()
                     return
                 role = self.c.roster.assignment.get(name, ("idle", ""))
@@ -110,6 +120,28 @@ class FailurePolicy:
         await c.send_all(messages)
         c.dispatch_all()
 
+    async def _broker_died(self, code: int | None) -> bool:
+        """Start a new broker on the same endpoints and log; False (and ``fatal`` set) if the run must end."""
+        c, why = self.c, f"the broker exited with code {code} while the run was going"
+        if c.stopping or self.broker_restarts >= c.cfg.pool.max_broker_restarts:
+            self.fatal = why + ("" if c.stopping else f" (pool.max_broker_restarts={self.broker_restarts} used)")
+            print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
+            return False
+        self.broker_restarts += 1
+        print(f"[run] {why}: restarting it on its endpoints and log ({self.broker_restarts} of "
+              f"{c.cfg.pool.max_broker_restarts})", file=sys.stderr, flush=True)
+        try:
+            c.actors["broker"] = await restart_broker(c.hub, c.cfg.timeouts.worker_start_s)
+        except TimeoutError as exc:
+            self.fatal = f"{why}, and the new one did not come up: {exc}"
+            print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
+            return False
+        write_json(c.run_dir, "pids.json", {a.name: a.process.pid for a in c.actors.values()})
+        c.metrics.write(event="broker_restart", exitcode=code, restarts=self.broker_restarts)
+        for w in c.roster.assignment:
+            await c.plane.send(w, BrokerBack(self.broker_restarts))
+        return True
+
     def _restart_learner(self, dead: str, model: str) -> str | None:
         """A model's last learner died: a fresh worker restarts it from its newest checkpoint, and the
         experience log gives back what that checkpoint had not trained. None if no checkpoint or respawn is left."""
@@ -120,11 +152,19 @@ class FailurePolicy:
         step = checkpoint.read_state(path)["step"]
         c.dispatch.steps[model] = step  # rewound: the steps after the checkpoint are trained again
         new = f"w{len(c.device_of)}"
-        c.spawn_worker(new, c.device_of[dead], resume={model: str(path)})
+        n = self.learner_restarts[model] = self.learner_restarts.get(model, 0) + 1
+        delay = c.cfg.pool.restart_backoff_s * 2 ** (n - 1)  # a learner that keeps dying is not respawned in a tight loop
         self.respawned.append(new)
         self.waiting_role[new] = ("learner", model)
-        c.metrics.write(event="learner_restart", gen_model=model, worker=new, step=step, checkpoint=str(path))
-        return f": {new} restarts {model}'s learner from its step-{step} checkpoint, replaying the log"
+        c.device_of[new] = c.device_of[dead]  # the name is taken from now on
+        asyncio.get_running_loop().call_later(delay, self._spawn_late, new, c.device_of[dead], model, str(path))
+        c.metrics.write(event="learner_restart", gen_model=model, worker=new, step=step, checkpoint=str(path),
+                        attempt=n, backoff_s=delay)
+        return f": {new} restarts {model}'s learner from its step-{step} checkpoint in {delay:g}s, replaying the log"
+
+    def _spawn_late(self, wid: str, device: int, model: str, path: str) -> None:
+        if not self.c.stopping and model not in self.left:
+            self.c.spawn_worker(wid, device, resume={model: path})
 
     def _respawn(self, dead: str, role: tuple[str, str]) -> str | None:
         c = self.c

@@ -1,5 +1,7 @@
 """The SEE hub of a run: the broker process plus the coordinator's own publisher and subscriber.
 
+A broker that dies is started again on the same endpoints and log (``restart_broker``).
+
 ipc endpoints in a private socket directory, the experience log in the run dir, and a
 lossy subscription for the coordinator (it must never slow the workers down).
 """
@@ -35,14 +37,32 @@ class Hub:
     broker_out: str  # subscribers connect here
     pub: Publisher
     sub: Subscriber
+    config: BrokerConfig
+
+
+def spawn_broker(config: BrokerConfig) -> actors.Actor:
+    return actors.spawn("broker", "engine.runtime.hub:broker_entry", msgspec.msgpack.encode(config))
+
+
+async def restart_broker(hub: Hub, timeout_s: float) -> actors.Actor:
+    """A new broker on the dead one's endpoints and log (its torn tail cut); returns once it serves subscribers.
+    Publishers reconnect on their own and re-send what was never confirmed."""
+    hub.actor = spawn_broker(hub.config)
+    probe = Subscriber(hub.broker_out, ["stats"], name="coordinator-probe", lossless=False)
+    try:
+        await probe.ready(timeout=timeout_s)
+    finally:
+        probe.close()
+    return hub.actor
 
 
 async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float) -> Hub:
     """Spawn the broker and wait until the coordinator's own subscription is live."""
     broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
-    config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"), name="broker")
-    actor = actors.spawn("broker", "engine.runtime.hub:broker_entry", msgspec.msgpack.encode(config))
+    config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"),
+                          name="broker", run_id=run_dir.name)
+    actor = spawn_broker(config)
     pub = Publisher(broker_in)
     sub = Subscriber(broker_out, topics, name=name, lossless=False)
     await sub.ready(timeout=timeout_s)
-    return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub)
+    return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub, config=config)

@@ -173,8 +173,15 @@ class Halt(_Msg, tag="halt"):
     reason: str
 
 
+class BrokerBack(_Msg, tag="broker"):
+    """The broker died and a new one runs on the same endpoints and log: a leader re-subscribes and replays
+    the log for what was logged but never reached it."""
+
+    restarts: int
+
+
 ToCoordinator = Union[Hello, WantWork, HandBack, UnitDone, StepDone, GroupFormed, GroupBroken, LearnerFinal]
-ToWorker = Union[Order, Regroup, Work, PeersGone, Halt]
+ToWorker = Union[Order, Regroup, Work, PeersGone, Halt, BrokerBack]
 
 
 class CoordinatorPlane:

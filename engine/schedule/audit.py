@@ -10,6 +10,10 @@ which records every Experience the broker accepted:
   (``engine.train.ingest``). Those copies are counted as ``regenerated``, not as duplicates;
 - every complete group in the log of a model still in the run was either trained by its
   learner group or is reported by the leader as still queued when the run ended.
+
+Logged experiences no learner could accept (``engine.train.trust``: another run's id, a
+group size or token id this run cannot have: what a hostile sender gets past the broker)
+are counted as ``untrusted`` and take no part in the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine.train.trust import untrusted
 from exchange.log import ExperienceLogReader
 
 
@@ -29,6 +34,7 @@ class Audit(msgspec.Struct):
     missing_from_log: int  # samples of units reported done that the log does not hold
     untrained_not_queued: int  # samples of complete logged groups neither trained nor queued at the end
     lost: int  # missing_from_log + untrained_not_queued
+    untrusted: int = 0  # logged experiences no learner could accept (ignored above)
 
     @property
     def ok(self) -> bool:
@@ -37,9 +43,14 @@ class Audit(msgspec.Struct):
 
 def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[int]],
               queued: dict[str, list[int]], done_prompts: dict[str, list[int]],
-              retaken: dict[str, set[int]] | None = None) -> Audit:
+              retaken: dict[str, set[int]] | None = None, run_id: str | None = None,
+              vocab: dict[str, int] | None = None) -> Audit:
     seen: collections.Counter = collections.Counter()
+    bad = 0
     for exp in ExperienceLogReader(log_dir):
+        if vocab is not None and untrusted(exp, run_id, G, vocab) is not None:
+            bad += 1
+            continue
         seen[(exp.model, exp.prompt_id, exp.sample_index)] += 1
     per_group: collections.Counter = collections.Counter()
     for (model, prompt, _), _n in seen.items():
@@ -55,4 +66,4 @@ def audit_log(log_dir: Path, models: list[str], G: int, trained: dict[str, set[i
     regenerated = sum(n for (m, p, _), n in extra.items() if p in retaken.get(m, ()))
     dup = sum(extra.values()) - regenerated
     return Audit(logged=sum(seen.values()), duplicates=dup, regenerated=regenerated, missing_from_log=missing,
-                 untrained_not_queued=untrained, lost=missing + untrained)
+                 untrained_not_queued=untrained, lost=missing + untrained, untrusted=bad)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import socket
 from dataclasses import dataclass
 
 import msgspec
@@ -63,11 +64,30 @@ class GroupError(RuntimeError):
     """A learner group could not form, or one of its collectives failed (a rank likely died)."""
 
 
+_rendezvous: list = []  # the store must outlive the group
+
+
+def _store(endpoint: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's rendezvous at ``tcp://HOST:PORT``. Rank 0 serves it on a socket bound to HOST only:
+    torch's own TCPStore would listen on every interface of the machine, whatever HOST says."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), int(port)))
+    sock.listen(max(world, 8))
+    fd = sock.detach()  # the store's server owns the descriptor from now on (and closes it)
+    return dist.TCPStore(host, int(port), world, True, timeout=timeout, master_listen_fd=fd)
+
+
 def join(endpoint: str, rank: int, world: int, timeout_s: float) -> None:
     """Form the group (blocks until all ``world`` ranks arrived, or raises GroupError after the time-out)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group("gloo", init_method=endpoint, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        store = _store(endpoint, rank, world, timeout)
+        _rendezvous.append(store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as exc:  # torch raises several unrelated types here
         raise GroupError(f"could not form the learner group at {endpoint} as rank {rank}/{world} "
                          f"within {timeout_s:.0f}s: {exc}") from exc
@@ -76,6 +96,7 @@ def join(endpoint: str, rank: int, world: int, timeout_s: float) -> None:
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _rendezvous.clear()
 
 
 def collective(fn):

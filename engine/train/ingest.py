@@ -7,6 +7,7 @@ import collections
 import numpy as np
 
 from engine.train.batching import OwnSample, PeerSample
+from engine.train.trust import untrusted
 from exchange.protocol import Experience
 from policies.templates import completion_ids, prompt_ids
 from tokenbridge import Bridge, BridgeError
@@ -32,6 +33,7 @@ class Ingest:
         self.peers: dict[int, list[PeerSample]] = {}
         self.peer_counts: collections.Counter[tuple[str, int]] = collections.Counter()
         self.seen: set[tuple[str, int, int]] = set()
+        self.refused: set[tuple[str, str]] = set()  # (experience id, why) of what ``rejected`` counts
         self._prompts: dict[int, np.ndarray] = {}
         self.failures = 0
         self.late = 0
@@ -44,12 +46,16 @@ class Ingest:
         """Take what arrived; the peer completions waiting from each peer cross the THL in one batch."""
         waiting: dict[str, list[Experience]] = {}
         for exp in exps:
-            key = (exp.model, exp.prompt_id, exp.sample_index)
-            if key in self.seen or exp.model not in self.vocab:
+            if exp.model not in self.vocab:
                 continue
-            why = self._untrusted(exp)
+            why = untrusted(exp, self.run_id, self.G, self.vocab)  # before the repeat check: a forged copy counts
             if why is not None:
-                self.rejected[f"{exp.model}: {why}"] += 1  # never reaches a model; counted in the step's metrics
+                if (exp.experience_id, why) not in self.refused:  # (a log replay brings it again: counted once)
+                    self.refused.add((exp.experience_id, why))
+                    self.rejected[f"{exp.model}: {why}"] += 1  # never reaches a model; in the step's metrics
+                continue
+            key = (exp.model, exp.prompt_id, exp.sample_index)
+            if key in self.seen:
                 continue
             self.seen.add(key)
             if exp.model == self.spec.name:
@@ -64,23 +70,6 @@ class Ingest:
             bridged = self.bridges[model].batch([e.completion_array for e in peers], [e.logprob_array for e in peers])
             for exp, out in zip(peers, bridged):
                 self._add_peer(exp, out)
-
-    def _untrusted(self, exp: Experience) -> str | None:
-        """Why an experience that decoded cleanly still cannot be trained on, or None.
-
-        The codec has checked types, sizes, finite numbers and aligned arrays; what it cannot
-        know is this run: its id, its group size, and each sender's vocabulary (an id past it
-        would crash the model's embedding lookup)."""
-        if self.run_id is not None and exp.run_id != self.run_id:
-            return "another run's id"
-        if exp.group_size != self.G or not 0 <= exp.sample_index < self.G:
-            return f"group_size/sample_index {exp.group_size}/{exp.sample_index} (this run: G={self.G})"
-        if exp.prompt_id < 0 or exp.weight_version < 0:
-            return "negative prompt_id or weight_version"
-        for field, ids in (("completion", exp.completion_array), ("prompt", exp.prompt_array)):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab[exp.model]):
-                return f"{field} token id outside {exp.model}'s vocabulary ({self.vocab[exp.model]})"
-        return None
 
     @property
     def rejected_total(self) -> int:
