@@ -5,9 +5,10 @@ NCCL between GPUs, gloo on CPUs (how it is tested). The learner's rank ``src`` c
 tensors to the generators' dtype and broadcasts them in buckets of at most ``bucket_bytes``,
 each one flat tensor of one dtype: a few large collectives instead of one per parameter,
 and bounded extra memory on both sides. Every receiver copies each bucket into its own
-tensors in place. Each bucket's manifest (names, dtypes, shapes) is what sglang's
-``update_weights_from_distributed`` takes, so an sglang generator in the group could receive
-the same broadcasts (not yet tried: no GPU so far).
+tensors in place. ``manifest`` names a bucket as sglang's ``update_weights_from_distributed``
+request does, but the framing here (a header, then one flat tensor per bucket) is this
+module's own: an sglang generator expects its own framing (one broadcast per tensor, or its
+``flattened_bucket`` format), which is not written yet.
 
 A header ``[version, buckets, bytes]`` goes first, so a receiver whose tensors do not match
 the sender's plan fails at once instead of mis-assigning bytes. The group's time-out bounds
