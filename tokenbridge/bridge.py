@@ -113,10 +113,12 @@ class Bridge:
         """
         try:
             ids = self._ids(src_ids)
-            aligned = self._lookup(ids)
+            aligned = self._lookup(ids) if self.cache_size else None
             hit = aligned is not None
             spelled = None if hit or self.identity else spell_one(self.src, ids)  # checks the ids first
-            lp = None if logprobs is None else checked_logprobs(logprobs, len(ids))
+            lp = None
+            if logprobs is not None:
+                lp = logprobs if _plain_floats(logprobs, len(ids)) else checked_logprobs(logprobs, len(ids))
             msk = None if mask is None else checked_mask(mask, len(ids))
             if aligned is None:
                 aligned = self._aligned_one(ids, spelled)
@@ -259,17 +261,18 @@ class Bridge:
     def _spread(self, aligned: Aligned, lp: np.ndarray | None, msk: np.ndarray | None) -> BridgedCompletion:
         span = aligned.span
         n_groups = len(aligned.n_dst_per_group)
-        dst_lp = None
+        dst_lp = dst_mask = None
         if lp is not None:
             if lp.dtype != np.float64 and lp.dtype != np.float32:
                 lp = lp.astype(np.float64)  # as np.bincount would read them
             # a NaN or infinite log-prob, or finite ones that overflow together, make their group sum non-finite
-            bad, group_sum, dst_lp = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
+            bad, group_sum, dst_lp, dst_mask = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
             if bad >= 0:
                 raise nonfinite_logprobs(lp, group_sum, span.groups.src)
         if msk is None:
-            dst_mask = np.empty(len(aligned.dst_ids), dtype=bool)
-            dst_mask.fill(True)  # np.ones is a Python-level wrapper: twice the cost at these lengths
+            if dst_mask is None:
+                dst_mask = np.empty(len(aligned.dst_ids), dtype=bool)
+                dst_mask.fill(True)  # np.ones is a Python-level wrapper: twice the cost at these lengths
         else:
             masked_out = np.bincount(span.src_group[~msk], minlength=n_groups)
             dst_mask = (masked_out == 0)[span.dst_group]
@@ -285,6 +288,12 @@ class Bridge:
             eos=aligned.eos,
             identity=self.identity,
         )
+
+
+def _plain_floats(logprobs, n: int) -> bool:
+    """Whether log-probs are already what `checked_logprobs` would make of them: a float32/64 array of shape (n,)."""
+    return (type(logprobs) is np.ndarray and logprobs.shape == (n,)
+            and (logprobs.dtype == np.float32 or logprobs.dtype == np.float64))
 
 
 def _key(ids: np.ndarray) -> bytes:

@@ -301,20 +301,21 @@ def align_one(dst_ids, n_end, eos_id, record, inline, blob, strips_leading_space
 @njit(cache=True, nogil=True)
 def spread(src_group, dst_group, n_dst, logprobs):
     """Each group's log-prob sum (float64, in token order, as np.bincount adds) spread uniformly over its
-    destination tokens. Returns (bad, sums, dst_logprobs): bad is the first group whose sum is not finite,
-    else -1 (dst_logprobs is then empty)."""
+    destination tokens. Returns (bad, sums, dst_logprobs, all_true): bad is the first group whose sum is not
+    finite, else -1 (dst_logprobs is then empty); all_true: (M,) True, the loss mask when none was given
+    (one call less on the path that matters, the engine's)."""
     g_count = n_dst.size
     sums = np.zeros(g_count)
     for i in range(logprobs.size):
         sums[src_group[i]] += logprobs[i]
     for g in range(g_count):
         if not np.isfinite(sums[g]):
-            return g, sums, np.empty(0)
+            return g, sums, np.empty(0), np.empty(0, np.bool_)
     out = np.empty(dst_group.size)
     for j in range(dst_group.size):
         g = dst_group[j]
         out[j] = sums[g] / n_dst[g]
-    return -1, sums, out
+    return -1, sums, out, np.ones(dst_group.size, np.bool_)  # and the loss mask when none was given
 
 
 @njit(cache=True, nogil=True)
@@ -350,3 +351,4 @@ def align_batch(dst_ids, dst_firsts_in, n_end, eos_id, record, inline, blob, str
             own_dst_at[g + k] = dst_at[g] - dst_firsts[k]
             own_chars[g + k] = chars[g] - chars[g0]
     return shift, ids, dst_firsts, ok, src_group, dst_group, group_firsts, own_src_at, own_dst_at, own_chars, n_dst, inexact
+
