@@ -5,6 +5,9 @@ any integer type (checked inside the compiled loop, cached under one key), empty
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +116,30 @@ def test_sentencepiece_marker_alone_is_empty_text(toks, dst):
     assert isinstance(empty, EmptyCompletionError) and eos_only.dst_ids.tolist() == [EOS[dst]]
     assert fine.text == toks["mistral"].decode([MISTRAL_MARKER, 22557]) == " Hello"  # one space of two stripped
     assert fine.dst_ids.tolist() == encode(toks[dst], " Hello")
+
+
+FRESH_PROCESS = """
+import sys, numpy as np
+from tokenbridge import Bridge, kernels, load_tokenizer
+gpt2, mistral = load_tokenizer("gpt2", sys.argv[1]), load_tokenizer("mistral", sys.argv[1])
+bridge = Bridge(gpt2, mistral, cache_size=0)
+dispatchers = {name: f for name, f in vars(kernels).items() if hasattr(f, "signatures")}
+before = {name: set(f.signatures) for name, f in dispatchers.items()}
+ids = gpt2.encode("warm, all the way") + [50256]
+for dtype, lp_dtype in ((np.int64, np.float64), (np.int32, np.float32)):
+    bridge(np.array(ids, dtype=dtype), np.full(len(ids), -0.5, dtype=lp_dtype))
+    bridge.batch([np.array(ids, dtype=dtype)] * 2, [np.full(len(ids), -0.5, dtype=lp_dtype)] * 2)
+bridge(ids, [-0.5] * len(ids))
+print(sorted(name for name, f in dispatchers.items() if set(f.signatures) - before[name]))
+"""
+
+
+def test_a_new_bridge_has_compiled_what_its_calls_use(tmp_path_factory):
+    """Compiling takes seconds: it happens when a bridge is built (a learner's start), so in a fresh process
+    no call or batch with the id and log-prob types the engine passes compiles anything later."""
+    cache = tmp_path_factory.getbasetemp() / "tokenbridge-cache"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(cache)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -105,6 +105,7 @@ class Bridge:
         self.stats = BridgeStats()
         self._cache: OrderedDict[bytes, Aligned] = OrderedDict()
         self._encoders = None if self.identity else encoders_for(dst_tokenizer.backend_tokenizer, self.dst)
+        kernels.compile_all()
 
     def __call__(self, src_ids, logprobs=None, mask=None) -> BridgedCompletion:
         """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools (or 0/1) or None.

@@ -352,3 +352,34 @@ def align_batch(dst_ids, dst_firsts_in, n_end, eos_id, record, inline, blob, str
             own_chars[g + k] = chars[g] - chars[g0]
     return shift, ids, dst_firsts, ok, src_group, dst_group, group_firsts, own_src_at, own_dst_at, own_chars, n_dst, inexact
 
+
+
+_READY = []
+
+
+def compile_all() -> None:
+    """Compile (or load from the disk cache) every kernel for the types the bridge passes, once per process,
+    on a one-token vocabulary: a first compile takes seconds, and should happen when a bridge is built
+    (a learner's start), not at its first peer experience."""
+    if _READY:
+        return
+    record = np.zeros((1, 2), np.int64)
+    record[0, 0] = 2 | 1 << LEN_SHIFT  # a one-byte token starting a character
+    inline = record.view(np.uint8)
+    inline[0, INLINE_AT] = ord("a")
+    blob = np.frombuffer(b"a", dtype=np.uint8)
+    for ids in (np.zeros(1, np.int64), np.zeros(1, np.int32)):
+        _, _, raw, bounds, byte_firsts, _ = spell_one(ids, record, inline, blob, False)
+        spell(ids, np.array([0, 1], np.int64), record, inline, blob, False)
+    from array import array
+
+    dst = array("I", [0])
+    out = align_one(dst, 0, 0, record, inline, blob, False, raw, byte_firsts, bounds)
+    one = np.ones(1, np.int64)
+    align_batch(dst, np.array([0, 1], np.int64), one * 0, 0, record, inline, blob, False, raw, byte_firsts, bounds,
+                np.array([0, 1], np.int64))
+    for array_ in (out[4], out[5], out[9]):
+        array_.setflags(write=False)  # as the bridge passes them: shared with its cache
+    for dtype in (np.float64, np.float32):
+        spread(out[4], out[5], out[9], np.zeros(1, dtype))
+    _READY.append(True)
