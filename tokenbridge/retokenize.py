@@ -193,7 +193,7 @@ def _fast(
     shift, dst_ids, dst_firsts_out, ok = out[:4]
     slow = [i for i, value in enumerate(shift.tolist()) if value < 0]
     if slow:  # align the others without them (the sides must hold exactly the completions that go on)
-        keep = [i for i in range(len(texts)) if i not in set(slow)]
+        keep = sorted(set(range(len(texts))) - set(slow))
         if keep:
             rest = _fast(src, dst, [texts[i] for i in keep], [lists[i] for i in keep], dst_eos_id, results)
             assert not rest, "a completion that spells its text alone spells it in any batch"
