@@ -4,7 +4,7 @@ A running run: the monitor subscribes to the broker's publish side (``endpoints.
 *lossy* subscriber, so when it falls behind the broker drops for it (and counts, per
 subscriber, in its Stats) instead of slowing anyone; metrics.jsonl is tailed from its first
 line. A finished run: its experience log and metrics.jsonl are merged by time and replayed at
-``speed`` times the original pace (0: as fast as possible). Bad input is a ``MonitorError``
+``speed`` times the original pace (0: as fast as possible), silences cut to ``MAX_SILENCE_S``. Bad input is a ``MonitorError``
 whose message is one sentence naming the path.
 """
 
@@ -23,6 +23,7 @@ from exchange.protocol import Stats
 from exchange.transport import Subscriber
 from monitor.live import LiveState
 
+MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
 ENDED = ("run_result.json", "FAILED", "INTERRUPTED")  # a run that wrote one of these is over
 
 
@@ -109,6 +110,9 @@ async def replay(state: LiveState, run_dir: Path, speed: float, experiences: lis
         if speed > 0:
             first, wall0 = (t, time.monotonic()) if first is None else (first, wall0)
             ahead = wall0 + (t - first) / speed - time.monotonic()
+            if ahead > MAX_SILENCE_S:  # a warm start or an evaluation: nothing to watch, cut it short
+                wall0 -= ahead - MAX_SILENCE_S
+                ahead = MAX_SILENCE_S
             if ahead > 0.005:
                 await asyncio.sleep(ahead)
         if n % 2000 == 0:

@@ -8,6 +8,7 @@ the models' real tokenizers (GPT-2's and Mistral's, as in configs/smoke.toml).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from engine.config import load_run_config
@@ -41,9 +42,10 @@ def write_run(path: Path, prompts: int = 6, steps: int = 3, schema: int = SCHEMA
                  workers={"w0": ["generator", "gpt2"], "w1": ["generator", "llama"], "w2": ["learner", "gpt2"],
                           "w3": ["learner", "llama"]})
     encoder = Encoder(check=schema == SCHEMA_VERSION)
+    start = time.time() - prompts
     with ExperienceLogWriter(path / "experience_log") as log:
         for p in range(prompts):
-            t = T0 + p
+            t = start + p  # now-ish, as the metrics writer stamps its records
             batch = [experience(m, p, s, p // 2, t, f" {p + 1}" if (s + (m == "gpt2")) % 2 else f" {p + 2}", schema)
                      for m in MODELS for s in range(4)]
             log.append_raw([encoder.encode(e) for e in batch])
