@@ -96,6 +96,7 @@ class LiveState:
         self.moves: deque = deque(maxlen=200)  # controller moves: time, reason, changes
         self.decisions = 0  # MWRA decisions that did not move anything
         self.events: deque = deque(maxlen=100)  # notable run events, one line each
+        self.newest_sample_at = 0.0
         self.replay_done = False  # the replay reached its end, or the live run's broker closed
         self.mode = "live"
 
@@ -127,6 +128,7 @@ class LiveState:
 
     def _experience(self, exp: Experience) -> None:
         self.received += 1
+        self.newest_sample_at = exp.generated_at  # how far behind the exchange the view is
         self._clock(exp.generated_at)
         view = self._model(exp.model)
         view.samples += 1

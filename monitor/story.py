@@ -15,19 +15,24 @@ import tomllib
 from pathlib import Path
 
 from exchange.protocol import Experience
-from tokenbridge import Bridge, BridgeError, TokenizerLoadError, load_tokenizer
 
 MAX_BRIDGED_TOKENS = 200  # a long completion is cut for the view (the page has no room for more)
 
 
 class Storyteller:
     def __init__(self, run_dir: Path) -> None:
-        self.tokenizer_names, self.cache = _tokenizers_of(run_dir)
+        self.run_dir = run_dir
+        self.tokenizer_names: dict[str, str] | None = None  # read on the first story (it imports the engine's config)
+        self.cache = ""
         self._tokenizers: dict[str, object] = {}
-        self._bridges: dict[tuple[str, str], Bridge] = {}
+        self._bridges: dict[tuple[str, str], object] = {}  # (sender, receiver) -> tokenbridge.Bridge or None
         self.problems: list[str] = []
 
     def tokenizer(self, model: str):
+        from tokenbridge import TokenizerLoadError, load_tokenizer  # transformers: only once a story is asked for
+
+        if self.tokenizer_names is None:
+            self.tokenizer_names, self.cache = _tokenizers_of(self.run_dir)
         if model not in self._tokenizers:
             name = self.tokenizer_names.get(model)
             try:
@@ -37,7 +42,9 @@ class Storyteller:
                 self.problems.append(f"{model}: tokenizer not loaded ({exc})")
         return self._tokenizers[model]
 
-    def bridge(self, src: str, dst: str) -> Bridge | None:
+    def bridge(self, src: str, dst: str):
+        from tokenbridge import Bridge
+
         if (src, dst) not in self._bridges:
             a, b = self.tokenizer(src), self.tokenizer(dst)
             self._bridges[(src, dst)] = Bridge(a, b) if a is not None and b is not None else None
@@ -67,7 +74,7 @@ class Storyteller:
                 continue
             try:
                 b = bridge(ids)
-            except BridgeError as exc:
+            except ValueError as exc:  # tokenbridge.BridgeError: this sample cannot cross
                 out["bridged"][dst] = {"error": str(exc)}
                 continue
             out["bridged"][dst] = {"tokens": self._pieces(dst, b.dst_ids), "group": b.dst_group.tolist(),

@@ -78,7 +78,7 @@ function drawExchange(s) {
   const svg = $("exchange"), models = Object.keys(s.models), n = models.length, cx = 230, cy = 150, r = 105;
   const pos = Object.fromEntries(models.map((m, i) => [m, [cx + r * Math.cos(Math.PI + 2 * Math.PI * i / n),
     cy + r * Math.sin(Math.PI + 2 * Math.PI * i / n)]]));
-  let out = '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto">' +
+  let out = '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="10" markerHeight="10" markerUnits="userSpaceOnUse" orient="auto">' +
     '<path d="M0,0L10,5L0,10z" fill="#555"/></marker></defs>';
   for (const e of s.edges) {
     const [a, b] = [pos[e.src], pos[e.dst]], dx = b[0] - a[0], dy = b[1] - a[1], len = Math.hypot(dx, dy) || 1;
