@@ -16,6 +16,8 @@ import sys
 import webbrowser
 from pathlib import Path
 
+MONITOR_NICE = 10
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("monitor", help="watch a run live in the browser (or replay a finished one)")
@@ -34,6 +36,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def monitor_command(args: argparse.Namespace) -> int:
     from monitor.sources import MonitorError
 
+    with contextlib.suppress(OSError):
+        os.nice(MONITOR_NICE)  # on shared cores the run's workers come first: watching must not slow training
     if args.speed < 0:
         print(f"error: --speed {args.speed:g}: must be 0 (as fast as possible) or more", file=sys.stderr)
         return 2

@@ -128,7 +128,8 @@ class LiveState:
 
     def _experience(self, exp: Experience) -> None:
         self.received += 1
-        self.newest_sample_at = exp.generated_at  # how far behind the exchange the view is
+        if exp.generated_at > self.newest_sample_at:
+            self.newest_sample_at = exp.generated_at  # how far behind the exchange the view is
         self._clock(exp.generated_at)
         view = self._model(exp.model)
         view.samples += 1
