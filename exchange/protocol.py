@@ -112,6 +112,7 @@ class Stats(_Message, tag="stats"):
     subscriber_backlog: dict[str, int] = {}  # messages waiting per subscriber name (slow ones show here)
     rejected_by_sender: dict[str, int] = {}  # bad messages per publisher connection (the worst ones)
     cut_off: list[str] = []  # publishers past the broker's max_rejects_per_sender: dropped unread
+    subscriber_dropped: dict[str, int] = {}  # messages a lossy subscriber lost, per name, since it subscribed
 
 
 # coordinator -> monitors (workers get theirs over the engine's own plane)
