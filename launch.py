@@ -4,6 +4,7 @@
     python launch.py run --config F       run a config (configs/pool.toml: MWRA moving 8 workers live)
     python launch.py resume RUN_DIR       continue a stopped or killed run from its checkpoints and log
     python launch.py report RUN_DIR...    report.md with plots of a run (several: overlaid)
+    python launch.py monitor RUN_DIR      watch a run live in the browser (a finished one: replayed)
     python launch.py cache [--clear]      the cache of warm starts and converted tokenizers
     python launch.py experiment GRID      a grid of runs (objectives x seeds x models x tasks) and its results
     python launch.py keys DIR             a CurveZMQ key pair, for an exchange beyond loopback
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     from monitor import report
 
     report.add_commands(sub)
+    from monitor import cli as monitor_cli
+
+    monitor_cli.add_commands(sub)
     return parser
 
 

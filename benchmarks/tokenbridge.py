@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="completions per Bridge.batch call")
     args = parser.parse_args(argv)
     n_texts, rounds = (24, 8) if args.quick else (120, 9)
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     pairs = {}
     for src_name, dst_name in PAIRS:
         row = bench_pair(src_name, dst_name, args.cache_dir, n_texts, rounds, args.seed, args.batch_size)
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         "min_batch_ratio": worst_batch,
         "ratio_limit": RATIO_LIMIT,
         "passed": worst >= RATIO_LIMIT and worst_batch >= RATIO_LIMIT,
+        "load_average_1m_start": round(load_at_start, 2),  # the box is shared: the load says how quiet it was
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpu_count": os.cpu_count(),
         "seconds": round(time.perf_counter() - started, 1),

@@ -392,7 +392,8 @@ class Coordinator:
         counts = self.roster.counts()
         if not self.timeline or self.timeline[-1]["counts"] != counts or len(self.timeline) % 5 == 0:
             self.timeline.append({"t": t, "counts": counts})
-            self.metrics.write(event="allocation", t=t, counts=counts)
+            self.metrics.write(event="allocation", t=t, counts=counts,  # workers: a monitor's timeline starts here
+                               workers={w: list(rm) for w, rm in sorted(self.roster.assignment.items())})
 
 
 def run_config(cfg: RunConfig, run_dir: Path, quiet: bool = True) -> tuple[int, RunResult | None]:

@@ -357,6 +357,7 @@ class Broker:
             rejected_by_sender={sender_name(k): v for k, v in self._rejects_by.most_common(MAX_SENDERS_SHOWN)},
             cut_off=sorted(sender_name(k) for k in self._cut_off)[:MAX_SENDERS_SHOWN],
             duplicate_total=self.duplicates,
+            subscriber_dropped={s.name: s.dropped for s in self._subs.values() if s.dropped},
         )
         self._window.clear()
         self._window_rejected = self._window_dropped = self._window_exps = 0

@@ -113,6 +113,7 @@ class Stats(_Message, tag="stats"):
     rejected_by_sender: dict[str, int] = {}  # bad messages per publisher connection (the worst ones)
     cut_off: list[str] = []  # publishers past the broker's max_rejects_per_sender: dropped unread
     duplicate_total: int = 0  # experiences whose id the log holds already (a publisher re-sent them): not routed
+    subscriber_dropped: dict[str, int] = {}  # messages a lossy subscriber lost, per name, since it subscribed
 
 
 # coordinator -> monitors (workers get theirs over the engine's own plane)

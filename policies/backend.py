@@ -1,19 +1,23 @@
 """Generation backends: sample completions and their behaviour log-probs.
 
-`GenerationBackend` is what a generator worker talks to; `HFBackend` implements it with
-HF transformers and a KV cache on CPU or GPU. An sglang backend would implement the
-same Protocol (prompts as token ids in, token ids + log-probs out, weights pushed in
-by version), so nothing above this module needs to know which one runs.
+`GenerationBackend` is what a generator worker talks to: prompts as token ids in, token
+ids + per-token log-probs out, new weights pushed in as tensors (no disk round trip) with
+their version, and device memory given back and re-taken when MWRA moves the worker to
+another role. `HFBackend` implements it with HF transformers and a dynamic KV cache (the
+CPU path); `CudaHFBackend` is the same code in bf16 with a static KV cache (the GPU path);
+`policies.sglang_backend.SglangBackend` drives an sglang engine or server. Nothing above
+this module needs to know which one runs; tests/test_backend_contract.py holds all three
+to the same contract.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from policies.logprobs import position_ids_from_mask
 
@@ -26,10 +30,16 @@ class Sample(msgspec.Struct, gc=False):
     finish_reason: Literal["stop", "length"]  # stop = produced EOS; length = hit max_new_tokens
 
 
+class BackendReleased(RuntimeError):
+    """The backend gave its memory back (release_memory) and was asked to work before resume_memory."""
+
+
+@runtime_checkable
 class GenerationBackend(Protocol):
     """Samples completions from the current policy weights."""
 
     version: int  # weight version of the policy now loaded
+    released: bool  # True between release_memory() and resume_memory()
 
     def generate(
         self,
@@ -46,7 +56,15 @@ class GenerationBackend(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights (all of them) and record their version."""
+        """Swap in new weights (all of them) from tensors and record their version."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give back the device memory of weights and KV cache; generate and load refuse until resumed."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the memory again; generation continues with the weights held before the release."""
         ...
 
 
@@ -57,6 +75,8 @@ class HFBackend:
     A sequence stops at its own EOS, which is kept in the completion with its
     log-prob; rows that have finished are dropped from the batch and its cache.
     """
+
+    drops_finished_rows = True  # a dynamic cache can shrink; a static one keeps its shapes
 
     def __init__(
         self,
@@ -72,12 +92,32 @@ class HFBackend:
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.version = 0
+        self.released = False
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy `state` into the model in place (strict: every key must match)."""
+        self._check_held("load_state_dict")
         with torch.no_grad():
             self.model.load_state_dict(state, strict=True)
         self.version = version
+
+    def release_memory(self) -> None:
+        """Weights go to host memory and the allocator's cache is emptied (on CPU they stay put)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        self.model.to(self.device)
+        self.released = False
+
+    def _check_held(self, what: str) -> None:
+        if self.released:
+            raise BackendReleased(f"{what}: the backend's memory is released; call resume_memory() first")
+
+    def _new_cache(self, batch: int, max_len: int) -> Cache:
+        return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
     def generate(
@@ -88,6 +128,7 @@ class HFBackend:
         temperature: float,
         seed: int | None = None,
     ) -> list[list[Sample]]:
+        self._check_held("generate")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if any(len(p) == 0 for p in prompts):
@@ -111,10 +152,11 @@ class HFBackend:
         B = len(prompts)
         input_ids, mask = self._left_pad(prompts)  # (B, P)
         positions = position_ids_from_mask(mask)
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache(B, input_ids.shape[1] + max_new_tokens)
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         live = torch.arange(B, device=self.device)  # original row of each batch row
+        over = torch.zeros(B, dtype=torch.bool, device=self.device)  # rows past their EOS (kept by a static cache)
         for _ in range(max_new_tokens):
             out = self.model(
                 input_ids=input_ids,
@@ -124,17 +166,18 @@ class HFBackend:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            next_ids, next_lp = self._pick(out.logits[:, -1].float(), temperature, generator)  # (b,)
-            finished = next_ids == self.eos_token_id
-            for row, tok, lp in zip(live.tolist(), next_ids.tolist(), next_lp.tolist()):
-                tokens[row].append(tok)
-                logprobs[row].append(lp)
-            keep = (~finished).nonzero().squeeze(-1)
-            if keep.numel() == 0:
+            next_ids, next_lp = self._pick_open(out.logits[:, -1].float(), over, temperature, generator)  # (b,)
+            for row, tok, lp, done in zip(live.tolist(), next_ids.tolist(), next_lp.tolist(), over.tolist()):
+                if not done:
+                    tokens[row].append(tok)
+                    logprobs[row].append(lp)
+            over = over | (next_ids == self.eos_token_id)
+            if bool(over.all()):
                 break
-            if keep.numel() < finished.numel():
+            if self.drops_finished_rows and bool(over.any()):
+                keep = (~over).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                live, mask, positions, next_ids = live[keep], mask[keep], positions[keep], next_ids[keep]
+                live, mask, positions, next_ids, over = live[keep], mask[keep], positions[keep], next_ids[keep], over[keep]
             input_ids = next_ids[:, None]
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
@@ -146,6 +189,18 @@ class HFBackend:
             )
             for i in range(B)
         ]
+
+    def _pick_open(self, logits: torch.Tensor, over: torch.Tensor, temperature: float,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick for the rows not yet past EOS only (rows past it get PAD), so both cache
+        kinds draw the same random numbers for the same rows and sample alike."""
+        if not bool(over.any()):
+            return self._pick(logits, temperature, generator)
+        open_rows = (~over).nonzero().squeeze(-1)
+        ids, lp = self._pick(logits[open_rows], temperature, generator)
+        all_ids = torch.full_like(over, self.pad_token_id, dtype=torch.long)
+        all_lp = torch.zeros(over.shape, dtype=lp.dtype, device=lp.device)
+        return all_ids.index_copy_(0, open_rows, ids), all_lp.index_copy_(0, open_rows, lp)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         P = max(len(p) for p in prompts)
@@ -168,6 +223,24 @@ class HFBackend:
             logp = torch.log_softmax(logits / temperature, dim=-1)
             ids = _sample(logp, generator)
         return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class CudaHFBackend(HFBackend):
+    """HFBackend on a GPU: bf16 weights and a static KV cache sized prompt + max_new_tokens.
+
+    The same sampling loop; the cache keeps every row to the end of the batch (finished
+    rows go on computing, their tokens ignored) so shapes stay fixed, which is what lets
+    the static cache be compiled or graph-captured. Released memory goes to host RAM."""
+
+    drops_finished_rows = False
+
+    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int,
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 max_batch: int = 256) -> None:
+        super().__init__(model.to(dtype), eos_token_id, pad_token_id, device, max_batch)
+
+    def _new_cache(self, batch: int, max_len: int) -> Cache:
+        return StaticCache(config=self.model.config, max_cache_len=max_len)
 
 
 def _sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -47,13 +47,17 @@ def token_logprobs(
     input_ids: torch.Tensor,  # (B, L) long
     attention_mask: torch.Tensor,  # (B, L), 1 = real token
     target_mask: torch.Tensor,  # (B, L) bool, True = wanted log-prob
+    sharded: bool = True,
 ) -> torch.Tensor:
     """log p(input_ids[b, t] | input_ids[b, :t]) where target_mask[b, t], else 0. Shape (B, L).
 
     Differentiable. The LM head and log-softmax run only at the N target positions
     (an (N, V) matrix instead of (B, L, V)). Position 0 has no prefix and cannot be a
-    target. Float32 log-softmax whatever the model dtype.
+    target. Float32 log-softmax whatever the model dtype. A model sharded by
+    engine.train.sharding is entered through its FSDP-hooked method (which calls back here).
     """
+    if sharded and hasattr(model, "sharded_token_logprobs"):
+        return model.sharded_token_logprobs(input_ids, attention_mask, target_mask)
     B, L = input_ids.shape
     target_mask = target_mask.bool()
     if target_mask[:, 0].any():

@@ -1,8 +1,10 @@
 """Policy models: small causal LMs built from a spec, or loaded from a save_pretrained dir.
 
-One code path for both: `build_policy(spec, tokenizer)` builds a GPT-2- or Llama-style
-model sized to the tokenizer's vocabulary, unless `spec.checkpoint` names a directory,
-in which case that checkpoint is loaded (and checked against the tokenizer) instead.
+One code path for both: `build_policy(spec, tokenizer)` builds a model of any causal-LM
+family transformers knows (`spec.arch` is its model_type: gpt2, llama, qwen2, qwen3, ...)
+sized to the tokenizer's vocabulary, unless `spec.checkpoint` names a directory, in which
+case that checkpoint is loaded (class from its config.json, checked against the spec and
+the tokenizer) instead.
 `save_policy` writes the save_pretrained layout (safetensors) atomically.
 """
 
@@ -14,20 +16,26 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import msgspec
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
+
+# Every model_type AutoModelForCausalLM can build: a config naming another is refused at load.
+CausalLMFamily: TypeAlias = Literal[tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))]  # type: ignore[valid-type]
 
 
 class ModelLoadError(Exception):
@@ -38,14 +46,14 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """What model to train: its family, tokenizer and size (or a checkpoint to load)."""
 
     name: str  # unique per run: names the model's topics, metrics and run-dir files
-    arch: Literal["gpt2", "llama"]  # picks the model class and the prompt template
+    arch: CausalLMFamily  # the model_type (config.json): picks the model class and the prompt template
     tokenizer: str  # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
     max_seq_len: int = 128  # prompt + completion; sizes GPT-2's learned position table
-    n_kv_head: int | None = None  # llama only: grouped-query attention; None = n_head
-    intermediate_size: int | None = None  # llama MLP width; None = GPT-2's parameter count
+    n_kv_head: int | None = None  # not gpt2: grouped-query attention; None = n_head
+    intermediate_size: int | None = None  # not gpt2: MLP width; None = GPT-2's parameter count
     tie_embeddings: bool = True  # the vocab matrix dominates tiny models: share it once
     checkpoint: str | None = None  # a save_pretrained dir, loaded instead of built
 
@@ -64,14 +72,30 @@ def build_policy(
         _check_fits(model, spec, tokenizer, spec.checkpoint)
         return model
     config = _config(spec, tokenizer)
-    model_class = GPT2LMHeadModel if spec.arch == "gpt2" else LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        if spec.arch == "gpt2":
+            model = GPT2LMHeadModel(config)
+        elif spec.arch == "llama":
+            model = LlamaForCausalLM(config)
+        else:
+            model = _from_config(spec, config)
     return model.float().eval()
 
 
-def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> GPT2Config | LlamaConfig:
+def _from_config(spec: ModelSpec, config: PretrainedConfig) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # each family validates its config its own way
+        raise ModelLoadError(_unbuildable(spec, str(exc))) from exc
+
+
+def _unbuildable(spec: ModelSpec, why: str) -> str:
+    return (f"arch {spec.arch!r} cannot be built from model {spec.name!r}'s sizes ({why}): "
+            f"give it a checkpoint directory instead")
+
+
+def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     vocab_size = len(tokenizer)
     special = dict(
         bos_token_id=tokenizer.bos_token_id,
@@ -93,7 +117,7 @@ def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> GPT2Config |
         )
     # SwiGLU has three matrices where GPT-2's MLP has two: 8/3 * d keeps the count equal.
     intermediate = spec.intermediate_size or _round_up(8 * spec.n_embd // 3, 32)
-    return LlamaConfig(
+    sizes = dict(
         vocab_size=vocab_size,
         hidden_size=spec.n_embd,
         intermediate_size=intermediate,
@@ -101,9 +125,30 @@ def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> GPT2Config |
         num_attention_heads=spec.n_head,
         num_key_value_heads=spec.n_kv_head or spec.n_head,
         max_position_embeddings=spec.max_seq_len,
-        attention_dropout=0.0,
-        **special,
     )
+    if spec.arch == "llama":
+        return LlamaConfig(attention_dropout=0.0, **sizes, **special)
+    return _family_config(spec, sizes, special)
+
+
+def _family_config(spec: ModelSpec, sizes: dict, special: dict) -> PretrainedConfig:
+    """A config of any other family from the Llama-style size names most families share.
+
+    Families that name their sizes otherwise (or ignore them) are refused, not built at a
+    size nobody asked for: load such a model from a checkpoint instead."""
+    try:
+        config = AutoConfig.for_model(spec.arch, **sizes, **special)
+        if hasattr(config, "head_dim"):  # Qwen3 and others default to 128 whatever the width
+            config.head_dim = spec.n_embd // spec.n_head
+        for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+    except Exception as exc:  # each family validates its config its own way
+        raise ModelLoadError(_unbuildable(spec, str(exc).splitlines()[0])) from exc
+    ignored = [key for key, value in sizes.items() if getattr(config, key, None) != value]
+    if ignored:
+        raise ModelLoadError(_unbuildable(spec, f"it ignores {', '.join(ignored)}"))
+    return config
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -140,7 +185,7 @@ def _check_fits(
 ) -> None:
     """A checkpoint whose family or vocabulary differs from the spec is a config error."""
     model_type = model.config.model_type
-    if (spec.arch == "gpt2") != (model_type == "gpt2"):
+    if spec.arch != model_type:
         raise ModelLoadError(
             f"checkpoint {path} is a {model_type!r} model but spec {spec.name!r} says arch={spec.arch!r}"
         )

@@ -1,27 +1,38 @@
 """Prompt templates per model family, and the token ids of prompts and completions.
 
-A prompt's ids are the template's text encoded without the tokenizer's automatic
-special tokens, with BOS prepended explicitly where the family uses one, so the
-result does not depend on how a tokenizer directory configured add_bos_token.
+A tokenizer that ships a chat template (an instruct checkpoint's directory) formats
+the question as one user turn with the generation prompt; otherwise the family's
+template below is used, and a causal-LM family without one gets the plain Q/A template.
+A prompt's ids are the text encoded without the tokenizer's automatic special tokens,
+with BOS prepended explicitly where the family uses one (a chat template writes its own),
+so the result does not depend on how a tokenizer directory configured add_bos_token.
 A completion is the answer text followed by EOS; generation stops at EOS.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-# arch -> (template, family prepends BOS). The Llama template is Mistral-instruct's.
+# arch -> (template, family prepends BOS). The Llama template is Mistral-instruct's;
+# Qwen's is ChatML's user turn (its tokenizers have no BOS).
+_CHATML = ("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", False)
 _TEMPLATES: dict[str, tuple[str, bool]] = {
     "gpt2": ("Q: {question}\nA:", False),
     "llama": ("[INST] {question} [/INST]", True),
+    "mistral": ("[INST] {question} [/INST]", True),
+    "qwen2": _CHATML,
+    "qwen3": _CHATML,
 }
+_PLAIN = ("Q: {question}\nA:", True)  # any other causal-LM family without a chat template
 
 
 def _template(arch: str) -> tuple[str, bool]:
-    try:
+    if arch in _TEMPLATES:
         return _TEMPLATES[arch]
-    except KeyError:
-        raise ValueError(f"no prompt template for arch {arch!r}; known: {sorted(_TEMPLATES)}") from None
+    if arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return _PLAIN
+    raise ValueError(f"no prompt template for arch {arch!r}: not a causal-LM family transformers knows")
 
 
 def format_prompt(arch: str, question: str) -> str:
@@ -30,8 +41,19 @@ def format_prompt(arch: str, question: str) -> str:
     return template.format(question=question)
 
 
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str | None:
+    """The question as one user turn in the tokenizer's own chat template; None without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, arch: str, question: str) -> list[int]:
-    """Token ids of the formatted prompt, with BOS first where the family uses one."""
+    """Token ids of the formatted prompt: chat template if any, else the family's (BOS where it uses one)."""
+    chat = chat_prompt(tokenizer, question)
+    if chat is not None:  # the template writes BOS itself where its family uses one
+        return tokenizer.encode(chat, add_special_tokens=False)
     _, uses_bos = _template(arch)
     ids = tokenizer.encode(format_prompt(arch, question), add_special_tokens=False)
     if uses_bos and tokenizer.bos_token_id is not None:

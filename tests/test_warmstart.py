@@ -135,3 +135,21 @@ def test_without_a_terminal_progress_is_plain_lines(tmp_path: Path, capfd, monke
     assert len(lines) == QUICK.steps
     assert lines[-1].startswith(f"warm start {spec.name}: step {QUICK.steps}/{QUICK.steps}, loss ")
     assert "elapsed, at most 0s left" in lines[-1]
+
+
+def test_evaluation_says_where_it_is(capsys) -> None:
+    from engine.prep.evaluation import EvalProgress
+
+    spec = tiny_spec("gpt2")
+    tokenizer = real_tokenizer("gpt2")
+    backend = HFBackend(build_policy(spec, tokenizer), tokenizer.eos_token_id, pad_id(tokenizer))
+    task = ArithmeticTask(ArithmeticConfig())
+    seen = []
+    evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
+             progress=lambda *p: seen.append(p))
+    assert seen == [(16, 40, 0), (32, 40, 0), (40, 40, 0)]
+    evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
+             progress=EvalProgress("gpt2 final (held-out)", every_s=0))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [l for l in lines if l.startswith("eval gpt2 final (held-out): ")] and len(lines) == 2
+    assert "16/40 problems, accuracy so far 0.000" in lines[0] and "left" in lines[0]

@@ -36,13 +36,14 @@ import msgspec
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
+from tokenbridge import kernels
 from tokenbridge.align import Groups
 from tokenbridge.checks import checked_ids, checked_logprobs, checked_mask, nonfinite_logprobs
 from tokenbridge.errors import BridgeError, UndecodableTextError, UnsupportedTokenizerError
 from tokenbridge.profile import profile_of
 from tokenbridge.encoders import encoders_for
 from tokenbridge.retokenize import Aligned, identity, retokenize_many
-from tokenbridge.single import align_one
+from tokenbridge.single import SpelledOne, align_one, spell_one
 
 Checked = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # ids (n,) int64, log-probs (n,) float64, mask (n,) bool
 
@@ -104,6 +105,7 @@ class Bridge:
         self.stats = BridgeStats()
         self._cache: OrderedDict[bytes, Aligned] = OrderedDict()
         self._encoders = None if self.identity else encoders_for(dst_tokenizer.backend_tokenizer, self.dst)
+        kernels.compile_all()
 
     def __call__(self, src_ids, logprobs=None, mask=None) -> BridgedCompletion:
         """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools (or 0/1) or None.
@@ -111,11 +113,16 @@ class Bridge:
         Raises a `BridgeError` subclass (counted in `stats.rejected`) when the completion cannot cross.
         """
         try:
-            ids, lp, msk = self._checked(src_ids, logprobs, mask)
-            aligned = self._lookup(ids)
+            ids = self._ids(src_ids)
+            aligned = self._lookup(ids) if self.cache_size else None
             hit = aligned is not None
+            spelled = None if hit or self.identity else spell_one(self.src, ids)  # checks the ids first
+            lp = None
+            if logprobs is not None:
+                lp = logprobs if _plain_floats(logprobs, len(ids)) else checked_logprobs(logprobs, len(ids))
+            msk = None if mask is None else checked_mask(mask, len(ids))
             if aligned is None:
-                aligned = self._aligned_one(ids)
+                aligned = self._aligned_one(ids, spelled)
             out = self._spread(aligned, lp, msk)
         except BridgeError as exc:
             self._count_rejected(exc)
@@ -164,6 +171,14 @@ class Bridge:
 
     # -- input checks and counters ----------------------------------------------------------------
 
+    def _ids(self, src_ids) -> np.ndarray:
+        """1-D int32 or int64 ids as given, whose range `spell_one` checks (or a hit, whose range was), or
+        `checked_ids`'s int64 ids."""
+        if (type(src_ids) is np.ndarray and src_ids.ndim == 1 and src_ids.size and not self.identity
+                and (src_ids.dtype == np.int64 or src_ids.dtype == np.int32)):
+            return src_ids
+        return checked_ids(self.src, src_ids)
+
     def _checked(self, src_ids, logprobs, mask) -> Checked:
         ids = checked_ids(self.src, src_ids)
         lp = None if logprobs is None else checked_logprobs(logprobs, len(ids))
@@ -186,7 +201,7 @@ class Bridge:
     def _lookup(self, ids: np.ndarray) -> Aligned | None:
         if not self.cache_size:
             return None
-        key = ids.tobytes()
+        key = _key(ids)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
@@ -194,16 +209,16 @@ class Bridge:
 
     def _store(self, ids: np.ndarray, aligned: Aligned) -> None:
         if self.cache_size:
-            self._cache[ids.tobytes()] = aligned
+            self._cache[_key(ids)] = aligned
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
 
-    def _aligned_one(self, ids: np.ndarray) -> Aligned:
+    def _aligned_one(self, ids: np.ndarray, spelled: SpelledOne | None) -> Aligned:
         """A fresh alignment of one completion (raises), stored in the cache."""
         if self.identity:
             aligned = identity(self.src, ids)
         else:
-            aligned = align_one(self.src, self.dst, self._encoders, ids, self.dst_eos_id)
+            aligned = align_one(self.src, self.dst, self._encoders, ids, spelled, self.dst_eos_id)
         self._store(ids, aligned)
         return aligned
 
@@ -247,16 +262,18 @@ class Bridge:
     def _spread(self, aligned: Aligned, lp: np.ndarray | None, msk: np.ndarray | None) -> BridgedCompletion:
         span = aligned.span
         n_groups = len(aligned.n_dst_per_group)
-        dst_lp = None
+        dst_lp = dst_mask = None
         if lp is not None:
-            group_sum = np.bincount(span.src_group, weights=lp, minlength=n_groups)
+            if lp.dtype != np.float64 and lp.dtype != np.float32:
+                lp = lp.astype(np.float64)  # as np.bincount would read them
             # a NaN or infinite log-prob, or finite ones that overflow together, make their group sum non-finite
-            if not np.logical_and.reduce(np.isfinite(group_sum)):
+            bad, group_sum, dst_lp, dst_mask = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
+            if bad >= 0:
                 raise nonfinite_logprobs(lp, group_sum, span.groups.src)
-            dst_lp = (group_sum / aligned.n_dst_per_group).take(span.dst_group)
         if msk is None:
-            dst_mask = np.empty(len(aligned.dst_ids), dtype=bool)
-            dst_mask.fill(True)  # np.ones is a Python-level wrapper: twice the cost at these lengths
+            if dst_mask is None:
+                dst_mask = np.empty(len(aligned.dst_ids), dtype=bool)
+                dst_mask.fill(True)  # np.ones is a Python-level wrapper: twice the cost at these lengths
         else:
             masked_out = np.bincount(span.src_group[~msk], minlength=n_groups)
             dst_mask = (masked_out == 0)[span.dst_group]
@@ -272,6 +289,17 @@ class Bridge:
             eos=aligned.eos,
             identity=self.identity,
         )
+
+
+def _plain_floats(logprobs, n: int) -> bool:
+    """Whether log-probs are already what `checked_logprobs` would make of them: a float32/64 array of shape (n,)."""
+    return (type(logprobs) is np.ndarray and logprobs.shape == (n,)
+            and (logprobs.dtype == np.float32 or logprobs.dtype == np.float64))
+
+
+def _key(ids: np.ndarray) -> bytes:
+    """The cache key of validated ids: their int64 bytes, whatever integer type they came in."""
+    return (ids if ids.dtype == np.int64 else ids.astype(np.int64)).tobytes()
 
 
 def _per_completion(name: str, values: Sequence | None, n: int) -> Sequence:

@@ -44,6 +44,12 @@ class Encoders:
             encodings = self.full.encode_batch_fast(texts, add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
+    def ids_one(self, text: str) -> list[int]:
+        """`ids` of one text."""
+        if self.plain_ok(text):
+            return self.plain.encode_batch_fast([self.normalize(text)], add_special_tokens=False)[0].ids
+        return self.full.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
 
 _ENCODERS: dict[str, Encoders] = {}  # fingerprint -> encoders, shared by all bridges to that tokenizer
 

@@ -43,7 +43,11 @@ SPACE_MARKER = "\u2581"  # SentencePiece's "▁"
 # evicted the caches).
 ROW = 16  # token bytes a text row holds
 PAD = b"\xff"
-SPECIAL, STARTS_CHAR, SLOW = 1, 2, 4  # flag bits; SLOW: longer than a row, or holding 0xFF: spelled from the blob
+SPECIAL, STARTS_CHAR, SLOW, INVALID = 1, 2, 4, 8  # flag bits; SLOW: longer than a row, or holding 0xFF: spelled
+# from the blob; INVALID: not in the vocabulary (only in `record`)
+# `record` packs what the compiled fast path reads per id into one int64 (one cache line per token, not four):
+LEN_SHIFT, START_SHIFT, MAX_TOKEN_BYTES = 8, 24, 0xFFFF  # [flags | byte length << 8 | blob start << 24, first 8 bytes]
+INLINE_BYTES = 8
 UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 
 
@@ -58,6 +62,9 @@ class VocabProfile:
     lead_bytes: np.ndarray  # (V,) int64, bytes of token i that start a UTF-8 character (its share of the characters)
     blob: np.ndarray  # (sum byte_len,) uint8, all token bytes back to back, for tokens longer than a record holds
     blob_start: np.ndarray  # (V,) int64, where token i's bytes start in blob
+    record: np.ndarray  # (V, 2) int64: flags (INVALID: a hole) | byte_len << LEN_SHIFT | blob_start << START_SHIFT; the
+    # token's bytes if it has at most INLINE_BYTES (16 bytes a token, aligned: one cache line per lookup)
+    inline: np.ndarray  # (V, 16) uint8 view of record
     valid: np.ndarray  # (V,) bool, id exists in the vocabulary
     has_holes: bool  # some id below V is not in the vocabulary
     has_empty: bool  # some text token has no bytes (so two tokens can start at one byte)
@@ -194,6 +201,11 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
     np.cumsum((blob & 0xC0) != 0x80, out=leads_before[1:])  # continuation bytes are 10xxxxxx
     lead_bytes = leads_before[blob_start + byte_len] - leads_before[blob_start]
     rows, flag = _rows_and_flags(table, byte_len, special)
+    if int(byte_len.max()) > MAX_TOKEN_BYTES:
+        raise ValueError(f"a token of {int(byte_len.max())} bytes is longer than the bridge's tables hold ({MAX_TOKEN_BYTES})")
+    record = np.zeros((size, 2), dtype=np.int64)
+    record[:, 0] = flag.astype(np.int64) | np.where(valid, 0, INVALID) | byte_len << LEN_SHIFT | blob_start << START_SHIFT
+    record.view(np.uint8)[:, INLINE_BYTES:] = rows[:, :INLINE_BYTES]  # the first 8 bytes (of a token that has at most 8)
     profile = VocabProfile(
         token_bytes=tuple(table),
         byte_len=byte_len,
@@ -202,6 +214,8 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
         lead_bytes=lead_bytes,
         blob=blob,
         blob_start=blob_start,
+        record=record,
+        inline=record.view(np.uint8),
         valid=valid,
         has_holes=not bool(valid.all()),
         has_empty=bool((valid & ~special & (byte_len == 0)).any()),

@@ -8,7 +8,7 @@
   literal special-token strings kept as text (`encode_special_tokens`), no truncation, no padding.
 - Completions are retokenized a batch at a time: one batch encode without offsets, then, for every
   completion whose destination token bytes spell its text exactly (after at most SentencePiece's one
-  dummy-prefix space), one batch alignment by cumulative byte lengths (`spans.py`). The others (a
+  dummy-prefix space), one batch alignment by cumulative byte lengths (`kernels.py`). The others (a
   normalizer changed characters, e.g. Qwen2's NFC on a non-NFC text) take `fallback.py`, whose
   results are exact too.
 - A failure belongs to its completion: it is returned in that completion's place, never raised.
@@ -31,9 +31,9 @@ from tokenbridge.errors import (
     UndecodableTextError,
 )
 from tokenbridge.fallback import slow_span, with_eos
+from tokenbridge import kernels
 from tokenbridge.encoders import Encoders
-from tokenbridge.profile import SPECIAL, Spelled, VocabProfile
-from tokenbridge.spans import Laid, Side, align_laid, drop_leading
+from tokenbridge.profile import SPECIAL, VocabProfile
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,11 +110,9 @@ def retokenize_many(
     src: VocabProfile, dst: VocabProfile, encoders: Encoders, batch: list[np.ndarray], dst_eos_id: int | None
 ) -> list[Aligned | BridgeError]:
     """Align each validated, non-empty source id array onto the destination's encoding of its text."""
-    firsts = _running([len(run) for run in batch])
-    spelled = src.spell(batch[0] if len(batch) == 1 else np.concatenate(batch))
     results: dict[int, Aligned | BridgeError] = {}
     texts: list[tuple[int, Source]] = []
-    for k, source in enumerate(_sources(src, spelled, firsts, batch, dst_eos_id)):
+    for k, source in enumerate(_sources(src, batch, dst_eos_id)):
         if isinstance(source, BridgeError):
             results[k] = source
         elif source.raw:
@@ -123,28 +121,17 @@ def retokenize_many(
             results[k] = _eos_only(len(source.ids), dst_eos_id)
         else:
             results[k] = EmptyCompletionError("src_ids decode to empty text and carry no EOS: there is nothing to bridge")
-    if not texts:
-        return [results[k] for k in range(len(batch))]
-    lists = encoders.ids([source.text for _, source in texts])
-    fast: list[int] = []  # indices into texts of the completions whose destination tokens spell their text
-    if dst.exact:
-        dst_side, shifts = _dst_side(dst, lists, texts, dst_eos_id)
-        fast = [i for i, shift in enumerate(shifts) if shift is not None]
-    for i in sorted(set(range(len(texts))) - set(fast)):
-        k, source = texts[i]
-        try:
-            results[k] = _slow(src, dst, encoders.full, source, lists[i], dst_eos_id)
-        except BridgeError as exc:
-            results[k] = exc
-    if fast:
-        if len(fast) < len(batch):  # the sides must hold exactly the completions that go on
-            kept = [batch[texts[i][0]] for i in fast]
-            spelled, firsts = src.spell(np.concatenate(kept)), _running([len(run) for run in kept])
-            dst_side = _dst_side(dst, [lists[i] for i in fast], [texts[i] for i in fast], dst_eos_id)[0]
-        laid = _laid(spelled, firsts, dst_side, [texts[i][1] for i in fast], [shifts[i] for i in fast])
-        for i, piece in zip(fast, align_laid(src, dst, laid)):
+    if texts:
+        lists = encoders.ids([source.text for _, source in texts])
+        slow = list(range(len(texts)))
+        if dst.exact:
+            slow = _fast(src, dst, texts, lists, dst_eos_id, results)
+        for i in slow:
             k, source = texts[i]
-            results[k] = Aligned(source.text, piece.dst_ids, piece.span, piece.n_dst_per_group, bool(source.n_end))
+            try:
+                results[k] = _slow(src, dst, encoders.full, source, lists[i], dst_eos_id)
+            except BridgeError as exc:
+                results[k] = exc
     return [results[k] for k in range(len(batch))]
 
 
@@ -156,24 +143,76 @@ def _running(counts: list[int]) -> list[int]:
     return firsts
 
 
-def _sources(
-    src: VocabProfile, spelled: Spelled, firsts: list[int], batch: list[np.ndarray], dst_eos_id: int | None
-) -> list[Source | BridgeError]:
+def _spelled_runs(src: VocabProfile, runs: list[np.ndarray]) -> tuple:
+    """`kernels.spell` of validated id runs laid end to end: (any_flags, raw, bounds, byte_firsts, drop, src_firsts)."""
+    firsts = np.array(_running([len(run) for run in runs]), dtype=np.int64)
+    ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
+    bad, any_flags, raw, bounds, byte_firsts, drop = kernels.spell(
+        ids, firsts, src.record, src.inline, src.blob, src.strips_leading_space
+    )
+    assert bad < 0, "ids are validated before they are spelled"
+    return any_flags, raw, bounds, byte_firsts, drop, firsts
+
+
+def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> list[Source | BridgeError]:
     """Each completion's text, cut from the batch's bytes (end tokens have none)."""
-    special = (spelled.flags & SPECIAL).view(bool) if spelled.any_flags & SPECIAL else None
-    at = [0, len(spelled.raw)] if len(batch) == 1 else spelled.bounds[firsts].tolist()
+    any_flags, raw, _, byte_firsts, drop, firsts = _spelled_runs(src, batch)
+    raw_all, at, drops, firsts = raw.tobytes(), byte_firsts.tolist(), drop.tolist(), firsts.tolist()
+    special = None
+    if any_flags & SPECIAL:
+        special = (src.flag.take(batch[0] if len(batch) == 1 else np.concatenate(batch)) & SPECIAL).view(bool)
     out: list[Source | BridgeError] = []
     for k, ids in enumerate(batch):
         try:
             n_end = 0 if special is None else split_eos(src, ids, special[firsts[k] : firsts[k + 1]], dst_eos_id)
-            raw = spelled.raw if len(batch) == 1 else spelled.raw[at[k] : at[k + 1]]
-            drop = int(src.strips_leading_space and raw[:1] == b" ")
-            if drop:
-                raw = raw[1:]
-            out.append(Source(ids, n_end, raw, drop, _decoded(raw)))
+            text_raw = raw_all if len(batch) == 1 else raw_all[at[k] : at[k + 1]]
+            out.append(Source(ids, n_end, text_raw, drops[k], _decoded(text_raw)))
         except BridgeError as exc:
             out.append(exc)
     return out
+
+
+def _fast(
+    src: VocabProfile, dst: VocabProfile, texts: list[tuple[int, Source]], lists: list[list[int]], dst_eos_id,
+    results: dict,
+) -> list[int]:
+    """Align, into `results`, every completion whose destination tokens spell its text (after at most one
+    dummy-prefix space); return the indices into `texts` of the others."""
+    sources = [source for _, source in texts]
+    _, raw, bounds, byte_firsts, _, src_firsts = _spelled_runs(src, [source.ids for source in sources])
+    flat = array("I")
+    dst_firsts = [0]
+    for ids in lists:
+        flat.extend(ids)
+        dst_firsts.append(len(flat))
+    n_end = np.array([source.n_end for source in sources], dtype=np.int64)
+    out = kernels.align_batch(
+        flat, np.array(dst_firsts, dtype=np.int64), n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record,
+        dst.inline, dst.blob, dst.strips_leading_space, raw, byte_firsts, bounds, src_firsts,
+    )
+    shift, dst_ids, dst_firsts_out, ok = out[:4]
+    slow = [i for i, value in enumerate(shift.tolist()) if value < 0]
+    if slow:  # align the others without them (the sides must hold exactly the completions that go on)
+        keep = sorted(set(range(len(texts))) - set(slow))
+        if keep:
+            rest = _fast(src, dst, [texts[i] for i in keep], [lists[i] for i in keep], dst_eos_id, results)
+            assert not rest, "a completion that spells its text alone spells it in any batch"
+        return slow
+    assert ok, "every cut opens a group on both sides"
+    for array_ in out[1:]:
+        if isinstance(array_, np.ndarray):
+            array_.setflags(write=False)  # shared with the cache; the slices below are read-only views
+    src_group, dst_group, group_firsts, src_at, dst_at, chars, n_dst, inexact = out[4:]
+    s_at, d_at, g_at, wrong = src_firsts.tolist(), dst_firsts_out.tolist(), group_firsts.tolist(), inexact.tolist()
+    for i, (k, source) in enumerate(texts):
+        g0, g1 = g_at[i], g_at[i + 1]
+        own = slice(g0 + i, g1 + i + 1)
+        groups = Groups(src_at[own], dst_at[own], chars[own])
+        span = SpanAlignment(
+            src_group[s_at[i] : s_at[i + 1]], dst_group[d_at[i] : d_at[i + 1]], groups, wrong[i] / len(source.text)
+        )
+        results[k] = Aligned(source.text, dst_ids[d_at[i] : d_at[i + 1]], span, n_dst[g0:g1], bool(source.n_end))
+    return []
 
 
 def _decoded(raw: bytes) -> str:
@@ -183,65 +222,6 @@ def _decoded(raw: bytes) -> str:
         raise UndecodableTextError(
             f"source ids decode to invalid UTF-8 at byte {exc.start} of {len(raw)} (completion cut inside a character?)"
         ) from None
-
-
-def _dst_side(
-    dst: VocabProfile, lists: list[list[int]], texts: list[tuple[int, Source]], dst_eos_id: int | None
-) -> tuple[Side, list[int | None]]:
-    """The destination runs laid end to end (each with its EOS if its source had end tokens), and for each
-    run 0 or 1 (a dummy-prefix space in front) if its tokens spell its text, else None."""
-    flat: list[int] = []
-    firsts, ends = [0], []
-    for ids, (_, source) in zip(lists, texts):
-        flat += ids
-        if source.n_end:
-            ends.append(len(flat))
-            flat.append(dst_eos_id)
-        firsts.append(len(flat))
-    ids_array = np.frombuffer(array("I", flat), dtype=np.uint32).astype(np.int64)  # the fastest list -> array
-    guard = dst.text_guard if dst.exact else None  # if it holds, comparing lengths is comparing bytes
-    by_length = guard is not None and all(guard(source.text) for _, source in texts)
-    spelled = dst.spell(ids_array, ends, text=not by_length)  # an EOS stands for no text, even a text token
-    at = spelled.bounds[firsts].tolist()
-    if by_length:
-        shifts = [_shift(dst, b - a - len(source.raw)) for a, b, (_, source) in zip(at, at[1:], texts)]
-    else:
-        raw_all = spelled.raw
-        shifts = [_spelled(dst, raw_all[a:b] if len(lists) > 1 else raw_all, source.raw)
-                  for a, b, (_, source) in zip(at, at[1:], texts)]
-    return Side(ids_array, spelled.bounds, firsts, ends, spelled.flags, spelled.any_flags), shifts
-
-
-def _shift(dst: VocabProfile, extra: int) -> int | None:
-    """The dummy-prefix shift that `extra` destination bytes mean, under the text guard; None if no shift can."""
-    if extra == 0:
-        return 0
-    return 1 if extra == 1 and dst.strips_leading_space else None
-
-
-def _spelled(dst: VocabProfile, dst_raw: bytes, raw: bytes) -> int | None:
-    """0 or 1 (a dummy-prefix space in front) if the destination bytes spell `raw`, else None."""
-    if dst_raw == raw:
-        return 0
-    if dst.strips_leading_space and len(dst_raw) == len(raw) + 1 and dst_raw[:1] == b" " and dst_raw.endswith(raw):
-        return 1
-    return None
-
-
-def _laid(spelled: Spelled, firsts: list[int], dst: Side, sources: list[Source], shifts: list) -> Laid:
-    """The fast completions end to end, both sides in text bytes (dropped leading spaces taken out)."""
-    drop = [source.drop for source in sources]
-    bounds = spelled.bounds
-    if any(drop):
-        drop_leading(bounds, firsts, drop)
-    if any(shifts):
-        drop_leading(dst.bounds, dst.firsts, shifts)
-    ends = [end - source.n_end for end, source in zip(firsts[1:], sources) if source.n_end]
-    ids = sources[0].ids if len(sources) == 1 else np.concatenate([source.ids for source in sources])
-    src = Side(ids, bounds, firsts, ends, spelled.flags, spelled.any_flags)
-    raw = sources[0].raw if len(sources) == 1 else b"".join(source.raw for source in sources)
-    byte_firsts = _running([len(source.raw) for source in sources])
-    return Laid(src, dst, raw, byte_firsts, [len(source.text) for source in sources], drop)
 
 
 def _slow(

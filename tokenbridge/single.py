@@ -1,75 +1,79 @@
 """One completion: the rules of `retokenize.py` for K = 1, the path of every `Bridge.__call__` miss.
 
 Why a second front end: at a few hundred tokens a call costs about as much in Python bookkeeping as
-in numpy work, and the batch front end's bookkeeping (per-completion lists, dicts, loops over K) is
-pure overhead for one text. This one keeps only what a single completion needs, then hands the same
-`Laid` to the shared alignment core (`spans.align_laid`), so both front ends give identical results.
-Anything off the fast path (no exact destination table, tokens that do not spell the text) takes the
-same `fallback.py` route as in a batch.
+in the work itself, and the batch front end's bookkeeping (per-completion lists, dicts, loops over K)
+is pure overhead for one text. This one keeps only what a single completion needs and runs the same
+compiled loops (`kernels.py`) as a batch, so both front ends give identical results: one call before
+the destination encode (`spell_one`: checks the ids, spells the text) and one after it. Anything off
+the fast path (no exact destination table, tokens that do not spell the text) takes the same
+`fallback.py` route as in a batch.
 """
 
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
 
+from tokenbridge import kernels
+from tokenbridge.align import Groups, SpanAlignment
+from tokenbridge.checks import checked_ids
 from tokenbridge.encoders import Encoders
 from tokenbridge.errors import EmptyCompletionError
 from tokenbridge.profile import SPECIAL, VocabProfile
-from tokenbridge.retokenize import Aligned, Source, _decoded, _eos_only, _shift, _slow, _spelled, split_eos
-from tokenbridge.spans import Laid, Side, align_laid, drop_leading
+from tokenbridge.retokenize import Aligned, Source, _decoded, _eos_only, _slow, split_eos
 
 EMPTY = "src_ids decode to empty text and carry no EOS: there is nothing to bridge"
 
 
-def align_one(src: VocabProfile, dst: VocabProfile, encoders: Encoders, ids: np.ndarray, dst_eos_id) -> Aligned:
-    """Align validated, non-empty source ids onto the destination's encoding of their text; raises a
-    `BridgeError` where `retokenize_many` would return one."""
-    spelled = src.spell(ids)
+@dataclass(slots=True, eq=False)
+class SpelledOne:
+    """One completion's source side: its UTF-8 (a dropped dummy-prefix space left out) and token starts."""
+
+    raw: np.ndarray  # (L,) uint8
+    bounds: np.ndarray  # (n+1,) int64 start byte of each token in raw, then L
+    byte_firsts: np.ndarray  # (2,) int64: 0, L
+    drop: int  # 1 if a dummy-prefix space was dropped
+    any_flags: int  # flags of all tokens or-ed (profile.SPECIAL, ...)
+
+
+def spell_one(src: VocabProfile, ids: np.ndarray) -> SpelledOne:
+    """Spell 1-D int32/int64 ids; raises `InvalidTokenIdError` (via `checked_ids`) for an id outside the vocabulary."""
+    bad, any_flags, raw, bounds, byte_firsts, drop = kernels.spell_one(
+        ids, src.record, src.inline, src.blob, src.strips_leading_space
+    )
+    if bad >= 0:
+        checked_ids(src, ids)  # raises, naming the position and the value as given
+    return SpelledOne(raw, bounds, byte_firsts, int(drop[0]), any_flags)
+
+
+def align_one(
+    src: VocabProfile, dst: VocabProfile, encoders: Encoders, ids: np.ndarray, spelled: SpelledOne, dst_eos_id
+) -> Aligned:
+    """Align spelled source ids onto the destination's encoding of their text; raises a `BridgeError`
+    where `retokenize_many` would return one."""
+    n = len(ids)
     n_end = 0
     if spelled.any_flags & SPECIAL:
-        n_end = split_eos(src, ids, (spelled.flags & SPECIAL).view(bool), dst_eos_id)
-    raw = spelled.raw
-    drop = int(src.strips_leading_space and raw[:1] == b" ")
-    if drop:
-        raw = raw[1:]
+        n_end = split_eos(src, ids, (src.flag.take(ids) & SPECIAL).view(bool), dst_eos_id)
+    raw = spelled.raw.tobytes()
     if not raw:
         if n_end:
-            return _eos_only(len(ids), dst_eos_id)
+            return _eos_only(n, dst_eos_id)
         raise EmptyCompletionError(EMPTY)
     text = _decoded(raw)
-    source = Source(ids, n_end, raw, drop, text)
-    dst_list = encoders.ids([text])[0]
-    if not dst.exact:
-        return _slow(src, dst, encoders.full, source, dst_list, dst_eos_id)
-    dst_side, shift = _dst_one(dst, dst_list, source, dst_eos_id)
-    if shift is None:
-        return _slow(src, dst, encoders.full, source, dst_list, dst_eos_id)
-    bounds = spelled.bounds
-    if drop:
-        bounds[1:] -= 1  # as `drop_leading` does for one completion: the first token keeps byte 0
-    if shift:
-        drop_leading(dst_side.bounds, dst_side.firsts, [shift])
-    ends = [len(ids) - n_end] if n_end else []
-    src_side = Side(ids, bounds, [0, len(ids)], ends, spelled.flags, spelled.any_flags)
-    piece = align_laid(src, dst, Laid(src_side, dst_side, raw, [0, len(raw)], [len(text)], [drop]))[0]
-    return Aligned(text, piece.dst_ids, piece.span, piece.n_dst_per_group, bool(n_end))
-
-
-def _dst_one(dst: VocabProfile, dst_list: list[int], source: Source, dst_eos_id) -> tuple[Side, int | None]:
-    """The destination side (its EOS last if the source had end tokens), and 0 or 1 (a dummy-prefix
-    space in front) if its tokens spell the text, else None; see `retokenize._dst_side`."""
-    packed = array("I", dst_list)  # the fastest list -> array
-    ends: list[int] = []
-    if source.n_end:
-        ends.append(len(packed))
-        packed.append(dst_eos_id)
-    ids = np.frombuffer(packed, dtype=np.uint32).astype(np.int64)
-    by_length = dst.text_guard is not None and dst.text_guard(source.text)  # then equal length is equal bytes
-    spelled = dst.spell(ids, ends, text=not by_length)
-    if by_length:
-        shift = _shift(dst, int(spelled.bounds[-1]) - len(source.raw))
-    else:
-        shift = _spelled(dst, spelled.raw, source.raw)
-    return Side(ids, spelled.bounds, [0, len(ids)], ends, spelled.flags, spelled.any_flags), shift
+    dst_list = encoders.ids_one(text)
+    if dst.exact:
+        shift, dst_ids, _, ok, src_group, dst_group, src_at, dst_at, chars, n_dst, inexact = kernels.align_one(
+            array("I", dst_list), n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record, dst.inline, dst.blob,
+            dst.strips_leading_space, spelled.raw, spelled.byte_firsts, spelled.bounds,
+        )
+        if shift[0] >= 0:
+            assert ok, "every cut opens a group on both sides"
+            for array_ in (dst_ids, src_group, dst_group, src_at, dst_at, chars, n_dst):
+                array_.setflags(write=False)  # shared with the cache
+            span = SpanAlignment(src_group, dst_group, Groups(src_at, dst_at, chars), float(inexact[0]) / len(text))
+            return Aligned(text, dst_ids, span, n_dst, bool(n_end))
+    source = Source(np.asarray(ids, dtype=np.int64), n_end, raw, spelled.drop, text)
+    return _slow(src, dst, encoders.full, source, dst_list, dst_eos_id)

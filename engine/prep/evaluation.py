@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import time
 from typing import Literal
 
 import msgspec
@@ -11,6 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from policies.backend import GenerationBackend
 from policies.templates import prompt_ids
 from tasks.base import Task
+
+EVAL_PROGRESS_EVERY_S = 5.0
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -32,10 +36,12 @@ def evaluate(
     max_new_tokens: int = 24,
     seed: int = 0,
     split: Literal["eval", "train"] = "eval",
+    progress=None,
 ) -> EvalResult:
     """Accuracy on problems 0..num_problems-1 of the held-out set (greedy by default,
     so reproducible). split="train" measures training problems instead (for early
-    stopping without peeking at the held-out set)."""
+    stopping without peeking at the held-out set). ``progress(done, total, correct)`` is called after
+    each batch."""
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
     draw = task.eval_problem if split == "eval" else task.problem
@@ -47,13 +53,34 @@ def evaluate(
         for problem, (sample,) in zip(problems, samples):
             text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
             correct += task.verify(problem, text).verified
+        if progress is not None:
+            progress(start + len(problems), num_problems, correct)
     accuracy = correct / num_problems
     return EvalResult(accuracy=accuracy, stderr=math.sqrt(accuracy * (1 - accuracy) / num_problems), n=num_problems)
 
 
+class EvalProgress:
+    """A line on stderr every ``every_s`` seconds while an evaluation runs (a long one says where it is;
+    a short one says nothing): what is evaluated, problems done, accuracy so far, elapsed, time left."""
+
+    def __init__(self, label: str, every_s: float = EVAL_PROGRESS_EVERY_S) -> None:
+        self.label, self.every_s = label, every_s
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int, correct: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s and done < total:
+            self.last = now
+            elapsed = now - self.started
+            print(f"eval {self.label}: {done}/{total} problems, accuracy so far {correct / done:.3f}, "
+                  f"{elapsed:.0f}s elapsed, about {elapsed / done * (total - done):.0f}s left",
+                  file=sys.stderr, flush=True)
+
+
 def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task: Task, num_problems: int,
-                      settings, max_new_tokens: int) -> EvalResult:
-    """``evaluate`` of a policy module as it is (eval mode for the duration), with a run's ``[eval]`` settings."""
+                      settings, max_new_tokens: int, label: str | None = None) -> EvalResult:
+    """``evaluate`` of a policy module as it is (eval mode for the duration), with a run's ``[eval]`` settings;
+    ``label`` (e.g. "gpt2 final"): progress lines while it runs."""
     from policies.backend import HFBackend
     from policies.models import pad_token_id
 
@@ -63,6 +90,7 @@ def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task
         backend = HFBackend(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer),
                             device=device)
         return evaluate(backend, tokenizer, arch, task, num_problems, temperature=settings.temperature,
-                        batch_size=settings.batch_size, max_new_tokens=max_new_tokens)
+                        batch_size=settings.batch_size, max_new_tokens=max_new_tokens,
+                        progress=EvalProgress(label) if label else None)
     finally:
         model.train(was_training)

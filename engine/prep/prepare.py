@@ -83,14 +83,15 @@ def prepare_model(payload: bytes) -> int:
     ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
     model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress)
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
-    acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint)
+    acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
                         eval_n=n)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
 
 
-def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path) -> tuple[float, float, int]:
+def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path,
+                 name: str) -> tuple[float, float, int]:
     ev = cfg.eval
     key = hashlib.sha256(msgspec.json.encode(
         {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.train.max_new_tokens}
@@ -99,7 +100,8 @@ def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: 
     if path.exists():
         data = json.loads(path.read_text())
         return data["accuracy"], data["stderr"], data["n"]
-    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.train.max_new_tokens)
+    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.train.max_new_tokens,
+                               label=f"{name} after the warm start (held-out)")
     _atomic_write(path, json.dumps({"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n}).encode())
     return result.accuracy, result.stderr, result.n
 

@@ -363,7 +363,8 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     ev = core.cfg.eval
     if ev.every_steps and version % ev.every_steps == 0 and version < core.cfg.train.steps:
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
-                                      ev.live_problems, ev, core.cfg.train.max_new_tokens)
+                                      ev.live_problems, ev, core.cfg.train.max_new_tokens,
+                                      f"{core.model_name} live at step {version} (eval.live_problems)")
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
     every = core.cfg.run.checkpoint_every
     if every and version % every == 0 and version < core.cfg.train.steps:
@@ -426,7 +427,8 @@ async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     cfg, w = core.cfg, core.worker
     ckpt = str(await asyncio.to_thread(_checkpoint, core))
     res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
-                                  cfg.eval.num_problems, cfg.eval, cfg.train.max_new_tokens)
+                                  cfg.eval.num_problems, cfg.eval, cfg.train.max_new_tokens,
+                                  f"{core.model_name} final (held-out)")
     queued = list(core.ingest.complete)
     t = core.totals
     core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr})

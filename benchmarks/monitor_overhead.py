@@ -1,0 +1,115 @@
+"""What watching costs: the smoke run's samples/s with a monitor page open and streaming vs without.
+
+Runs alternate, without then with (``--pairs`` times), all real ``launch.py run`` processes on
+configs/smoke.toml. "With": ``launch.py monitor RUN_DIR`` attaches as soon as the run writes
+endpoints.json, and a client reads its ``/events`` stream (a snapshot every 0.5 s, what an open
+page receives) and asks for the latest prompt's story every 3 s, as the page does. The rate
+compared is own samples trained per second over the RL phase (the learners' start records to
+their last step), summed over models; warm start and final evaluation are excluded. The last
+line is JSON with ``ratio`` (with / without, medians); the bar is 0.95.
+
+    python -m benchmarks.monitor_overhead [--steps 60] [--pairs 2] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BAR = 0.95
+
+
+def samples_per_s(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = min(r["time"] for r in records if r.get("event") == "start")
+    steps = [r for r in records if r.get("event") == "step"]
+    last = {}
+    for r in steps:
+        last[r["model"]] = r
+    return sum(r["own_experiences"] for r in last.values()) / (max(r["time"] for r in steps) - start)
+
+
+def watch(run_dir: Path, stop: threading.Event) -> dict:
+    """Start a monitor on the run and read its page's stream until ``stop``; what it received."""
+    while not (run_dir / "endpoints.json").exists():
+        if stop.wait(0.2):
+            return {}
+    mon = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "monitor", str(run_dir), "--port", "0",
+                            "--no-browser"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = mon.stdout.readline().split()[1]
+    seen = {"events": 0, "stories": 0}
+
+    def stream() -> None:
+        with urllib.request.urlopen(url + "events") as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    seen["events"] += 1
+                    seen["last"] = json.loads(line[6:])
+                if stop.is_set():
+                    return
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    while not stop.wait(3.0):
+        with urllib.request.urlopen(url + "story?prompt=latest") as r:
+            seen["stories"] += "prompt_id" in json.loads(r.read())
+    mon.terminate()
+    mon.wait(20)
+    last = seen.pop("last", {})
+    seen.update(received=last.get("received", 0), missed=last.get("missed", 0))
+    return seen
+
+
+def one_run(work: Path, name: str, steps: int, sets: list[str], monitored: bool) -> tuple[float, dict]:
+    run_dir = work / name
+    args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(ROOT / "configs/smoke.toml"),
+            "--run-dir", str(run_dir), "--set", f"train.steps={steps}", "--set", "run.max_minutes=15"]
+    for s in sets:
+        args += ["--set", s]
+    stop, seen = threading.Event(), {}
+    watcher = threading.Thread(target=lambda: seen.update(watch(run_dir, stop))) if monitored else None
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    if watcher:
+        watcher.start()
+    code = proc.wait()
+    stop.set()
+    if watcher:
+        watcher.join(60)
+    if code != 0:
+        raise SystemExit(f"{name}: launch.py run exited {code}; see {run_dir}")
+    return samples_per_s(run_dir), seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="monitor-overhead-"))
+    without, with_ = [], []
+    for k in range(args.pairs):
+        rate, _ = one_run(work, f"plain-{k}", args.steps, args.sets, False)
+        without.append(rate)
+        rate, seen = one_run(work, f"watched-{k}", args.steps, args.sets, True)
+        with_.append(rate)
+        print(f"pair {k}: without {without[-1]:.1f} samples/s, with a monitor {rate:.1f} samples/s "
+              f"(page got {seen.get('events', 0)} snapshots, {seen.get('stories', 0)} stories; monitor saw "
+              f"{seen.get('received', 0)} experiences, missed {seen.get('missed', 0)})", flush=True)
+    ratio = statistics.median(with_) / statistics.median(without)
+    print(json.dumps({"without_samples_per_s": [round(x, 1) for x in without],
+                      "with_monitor_samples_per_s": [round(x, 1) for x in with_], "ratio": round(ratio, 3),
+                      "bar": BAR, "passes": ratio >= BAR, "steps": args.steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Learner -> generator weights over a torch.distributed group: broadcast bucket by bucket.
+
+The path across GPUs and hosts, where the shared-memory channel (``channel.py``) cannot go:
+NCCL between GPUs, gloo on CPUs (how it is tested). The learner's rank ``src`` casts its
+tensors to the generators' dtype and broadcasts them in buckets of at most ``bucket_bytes``,
+each one flat tensor of one dtype: a few large collectives instead of one per parameter,
+and bounded extra memory on both sides. Every receiver copies each bucket into its own
+tensors in place. ``manifest`` names a bucket as sglang's ``update_weights_from_distributed``
+request does, but the framing here (a header, then one flat tensor per bucket) is this
+module's own: an sglang generator expects its own framing (one broadcast per tensor, or its
+``flattened_bucket`` format), which is not written yet.
+
+A header ``[version, buckets, bytes]`` goes first, so a receiver whose tensors do not match
+the sender's plan fails at once instead of mis-assigning bytes. The group's time-out bounds
+every collective: a peer that died is one ``WeightSyncError``, never a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+BUCKET_BYTES = 256 << 20  # large enough that NCCL runs near its bandwidth, small next to a GPU's memory
+
+
+class WeightSyncError(RuntimeError):
+    """A sync did not complete: the plans differ, or a peer died or went silent past the time-out."""
+
+
+def _collective(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # gloo and NCCL report a dead peer with several types
+            raise WeightSyncError(f"weight sync ({fn.__name__}) failed: {exc}") from exc
+
+    return wrapped
+
+
+def plan(named: NamedTensors, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> list[NamedTensors]:
+    """Consecutive tensors grouped into buckets of at most ``bucket_bytes`` on the wire (a larger tensor alone)."""
+    buckets: list[NamedTensors] = [[]]
+    size, width = 0, torch.empty((), dtype=dtype).element_size()
+    for name, t in named:
+        nbytes = t.numel() * width
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def manifest(bucket: NamedTensors, dtype: torch.dtype) -> dict:
+    """A bucket as sglang's update_weights_from_distributed names it."""
+    return {"names": [n for n, _ in bucket], "dtypes": [str(dtype).removeprefix("torch.")] * len(bucket),
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+def _header(version: int, buckets: list[NamedTensors], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = sum(t.numel() for b in buckets for _, t in b) * torch.empty((), dtype=dtype).element_size()
+    return torch.tensor([version, len(buckets), nbytes], dtype=torch.int64)
+
+
+@_collective
+def send(named: NamedTensors, version: int, src: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+         group=None, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Broadcast ``named`` from this rank (``src``) in ``dtype``; returns the bytes sent."""
+    buckets = plan(named, dtype, bucket_bytes)
+    header = _header(version, buckets, dtype)
+    dist.broadcast(header.to(device), src=src, group=group)
+    for bucket in buckets:
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for _, t in bucket])
+        dist.broadcast(flat, src=src, group=group)
+    return int(header[2])
+
+
+@_collective
+def receive(named: NamedTensors, src: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+            group=None, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Receive a sync into ``named``'s tensors in place (same names and shapes as the sender's); returns its version."""
+    buckets = plan(named, dtype, bucket_bytes)
+    mine = _header(0, buckets, dtype)
+    header = torch.zeros(3, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    header = header.cpu()
+    if header[1:].tolist() != mine[1:].tolist():
+        raise WeightSyncError(f"the sender plans {int(header[1])} buckets of {int(header[2])} bytes, this receiver "
+                              f"{int(mine[1])} of {int(mine[2])}: not the same model, dtype or bucket size")
+    for bucket in buckets:
+        flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=dtype, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for _, t in bucket:
+                t.copy_(flat[offset: offset + t.numel()].view(t.shape))
+                offset += t.numel()
+    return int(header[0])

@@ -1,0 +1,158 @@
+"""Where the monitor's messages come from: a running run's exchange, or a finished run's files.
+
+A running run: the monitor subscribes to the broker's publish side (``endpoints.json``) as a
+*lossy* subscriber, so when it falls behind the broker drops for it (and counts, per
+subscriber, in its Stats) instead of slowing anyone; metrics.jsonl is tailed from its first
+line. A finished run: its experience log and metrics.jsonl are merged by time and replayed at
+``speed`` times the original pace (0: as fast as possible), silences cut to ``MAX_SILENCE_S``. Bad input is a ``MonitorError``
+whose message is one sentence naming the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import json
+import os
+import time
+import tomllib
+from pathlib import Path
+
+from exchange.log import ExperienceLogReader, LogCorrupt
+from exchange.protocol import Stats
+from exchange.transport import Subscriber
+from monitor.live import LiveState
+
+MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
+ENDED = ("run_result.json", "FAILED", "INTERRUPTED")  # a run that wrote one of these is over
+
+
+class MonitorError(Exception):
+    """Bad input to the monitor: the message is one sentence for the user."""
+
+
+def is_finished(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in ENDED)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise MonitorError(f"{run_dir}: no such run directory")
+    if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "endpoints.json").is_file():
+        raise MonitorError(f"{run_dir}: not a run directory (neither metrics.jsonl nor endpoints.json)")
+
+
+def models_of(run_dir: Path) -> list[str]:
+    """The run's model names from its config.toml (so the page shows every model before its first sample)."""
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    return [m["name"] for m in cfg.get("models", []) if isinstance(m, dict) and "name" in m]
+
+
+def endpoint_of(run_dir: Path) -> str:
+    path = run_dir / "endpoints.json"
+    try:
+        return json.loads(path.read_text())["subscribe"]
+    except FileNotFoundError:
+        raise MonitorError(f"{path}: missing; the run has not started its exchange yet") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise MonitorError(f"{path}: not an endpoints file (no 'subscribe' address)") from None
+
+
+def read_experiences(run_dir: Path) -> list:
+    """Every experience of the log, checked whole before a replay starts (bad input fails here, not midway)."""
+    log = run_dir / "experience_log"
+    if not log.is_dir():
+        return []
+    try:
+        return list(ExperienceLogReader(log))
+    except LogCorrupt as exc:
+        text = str(exc)
+        if "newer than this reader" in text:
+            raise MonitorError(f"{log}: written by a newer version of Mutual RL ({text.split('(', 1)[-1].rstrip(')')});"
+                               " upgrade to replay it") from None
+        raise MonitorError(f"{log}: damaged ({text}); the run's metrics alone can still be read with "
+                           "`launch.py report`") from None
+
+
+def read_records(path: Path, state: LiveState, offset: int = 0) -> tuple[list[dict], int]:
+    """Whole lines of metrics.jsonl from ``offset``; a line being written stays for the next read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            state.skipped_lines += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records, offset + end
+
+
+async def replay(state: LiveState, run_dir: Path, speed: float, experiences: list | None = None) -> None:
+    """Feed the run's experiences and records in time order, ``speed`` times as fast as they happened."""
+    experiences = read_experiences(run_dir) if experiences is None else experiences
+    records, _ = read_records(run_dir / "metrics.jsonl", state)
+    events = heapq.merge(((e.generated_at, 0, i, e) for i, e in enumerate(experiences)),
+                         ((r.get("time", 0.0), 1, i, r) for i, r in enumerate(records)
+                          if isinstance(r.get("time"), (int, float))))
+    first = wall0 = None
+    for n, (t, kind, _, item) in enumerate(events):
+        if speed > 0:
+            first, wall0 = (t, time.monotonic()) if first is None else (first, wall0)
+            ahead = wall0 + (t - first) / speed - time.monotonic()
+            if ahead > MAX_SILENCE_S:  # a warm start or an evaluation: nothing to watch, cut it short
+                wall0 -= ahead - MAX_SILENCE_S
+                ahead = MAX_SILENCE_S
+            if ahead > 0.005:
+                await asyncio.sleep(ahead)
+        if n % 2000 == 0:
+            await asyncio.sleep(0)  # let the page's server answer during a fast replay
+        state.take(item) if kind == 0 else state.record(item)
+    state.replay_done = True
+
+
+async def tail_metrics(state: LiveState, path: Path, poll_s: float = 0.5) -> None:
+    offset = 0
+    while True:
+        records, offset = read_records(path, state, offset)
+        for rec in records:
+            state.record(rec)
+        await asyncio.sleep(poll_s)
+
+
+class Attached:
+    """A lossy subscription to a running run's broker: everything (experiences, stats, role changes)."""
+
+    def __init__(self, endpoint: str, run_dir: Path) -> None:
+        self.endpoint, self.run_dir = endpoint, run_dir
+        self.name = f"monitor-{os.getpid()}"
+        self.sub = Subscriber(endpoint, [""], name=self.name, lossless=False, hwm_frames=16)
+
+    async def ready(self, timeout: float) -> None:
+        try:
+            await self.sub.ready(timeout)
+        except TimeoutError:
+            self.sub.close()
+            raise MonitorError(f"{self.endpoint} (from {self.run_dir / 'endpoints.json'}): nothing is listening; "
+                               "the run has ended or was killed (replay its files with --replay)") from None
+
+    async def feed(self, state: LiveState) -> None:
+        while not self.sub.broker_closed:
+            for msg in await self.sub.recv_batch(4096):
+                state.take(msg)
+                if type(msg) is Stats and msg.role == "broker":
+                    state.missed_by(self.name)
+        state.replay_done = True  # the broker said Closing: nothing more will come
+
+    def close(self) -> None:
+        self.sub.close()

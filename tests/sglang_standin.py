@@ -1,0 +1,109 @@
+"""A local stand-in for an sglang server: sglang's documented JSON, answered by a real tiny model.
+
+It serves /generate, /update_weights_from_tensor, /release_memory_occupation and
+/resume_memory_occupation on 127.0.0.1 with a real HFBackend behind them, so the sglang
+backend's request and response handling meets real sampling, EOS, log-probs and weights.
+It checks what sglang requires of a request (return_logprob for log-probs, per-row
+sampling params, an idle, resumed engine for a weight update) and answers 400 otherwise.
+Tensors arrive as policies.sglang_backend.encode_tensors writes them (sglang's own
+serializer needs CUDA IPC).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from safetensors.torch import load
+
+from policies.backend import HFBackend
+
+
+class StandIn:
+    """`with StandIn(backend) as url:` runs the server on a free port for the block."""
+
+    def __init__(self, backend: HFBackend) -> None:
+        self.backend = backend
+        self.requests: list[tuple[str, dict]] = []  # every request, in order, for the tests to read
+        self.released = False
+        self.lock = threading.Lock()  # one request at a time: sglang's scheduler serialises them too
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def answer(self, path: str, body: dict) -> tuple[int, object]:
+        with self.lock:
+            self.requests.append((path, body))
+            route = {"/generate": self._generate, "/update_weights_from_tensor": self._update,
+                     "/release_memory_occupation": self._release, "/resume_memory_occupation": self._resume}
+            if path not in route:
+                return 404, {"error": f"no route {path}"}
+            return route[path](body)
+
+    def _generate(self, body: dict) -> tuple[int, object]:
+        if self.released:
+            return 400, {"error": "memory released: resume_memory_occupation first"}
+        rows, params = body["input_ids"], body["sampling_params"]
+        if not isinstance(params, list) or len(params) != len(rows):
+            return 400, {"error": "sampling_params must be one dict per input_ids row"}
+        return 200, [self._one(row, p, bool(body.get("return_logprob"))) for row, p in zip(rows, params)]
+
+    def _one(self, row: list[int], p: dict, with_logprobs: bool) -> dict:
+        stops = p.get("stop_token_ids") or []
+        if stops != [self.backend.eos_token_id]:
+            raise ValueError(f"the stand-in stops on EOS {self.backend.eos_token_id} only, asked {stops}")
+        ((s,),) = self.backend.generate([row], 1, p["max_new_tokens"], p["temperature"], seed=p["sampling_seed"])
+        meta = {"id": str(len(self.requests)), "prompt_tokens": len(row), "completion_tokens": len(s.completion_ids),
+                "finish_reason": ({"type": "stop", "matched": s.completion_ids[-1]} if s.finish_reason == "stop"
+                                  else {"type": "length", "length": len(s.completion_ids)})}
+        if with_logprobs:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(s.logprobs, s.completion_ids)]
+        return {"text": "", "output_ids": s.completion_ids, "meta_info": meta}
+
+    def _update(self, body: dict) -> tuple[int, object]:
+        if self.released:
+            return 200, {"success": False, "message": "weights are released"}
+        (payload,) = body["serialized_named_tensors"]
+        try:
+            self.backend.load_state_dict(load(base64.b64decode(payload)), int(body["weight_version"]))
+        except RuntimeError as exc:  # a missing or misshapen tensor
+            return 200, {"success": False, "message": str(exc)[:200]}
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+
+    def _release(self, body: dict) -> tuple[int, object]:
+        self.released = True
+        return 200, None
+
+    def _resume(self, body: dict) -> tuple[int, object]:
+        self.released = False
+        return 200, None
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                try:
+                    code, answer = standin.answer(self.path, body)
+                except (KeyError, ValueError, TypeError) as exc:
+                    code, answer = 400, {"error": repr(exc)}
+                data = b"" if answer is None else json.dumps(answer).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # keep pytest's output clean
+                pass
+
+        return Handler

@@ -1,0 +1,145 @@
+"""`launch.py monitor`: the aggregation (pure, fed real messages and records), the live attach to a
+real broker, the replay of a finished run, and bad input (one sentence, exit 2, never a traceback)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from exchange.broker import BrokerConfig, spawn_broker
+from exchange.codec import Encoder
+from exchange.log import ExperienceLogReader
+from exchange.protocol import SCHEMA_VERSION, Control
+from exchange.transport import BlockingPublisher
+from monitor.live import LiveState
+from monitor.sources import Attached, read_records, replay
+from monitor.story import Storyteller
+from tests.enginerun import ROOT
+from tests.monitorrun import T0, experience, write_run
+
+
+def monitor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), "monitor", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def fed(run_dir) -> LiveState:
+    state = LiveState(["gpt2", "llama"], run=run_dir.name)
+    asyncio.run(replay(state, run_dir, 0))
+    return state
+
+
+def test_aggregates_every_model_edge_and_worker(tmp_path):
+    state = fed(write_run(tmp_path / "run"))
+    snap = json.loads(json.dumps(state.snapshot()))  # plain JSON all through
+    assert {m: v["samples"] for m, v in snap["models"].items()} == {"gpt2": 24, "llama": 24}
+    assert [len(v["reward"]) for v in snap["models"].values()] == [3, 3]
+    assert snap["models"]["llama"]["final_accuracy"] == 0.5
+    assert sum(snap["models"]["gpt2"]["staleness"]) == 24
+    assert sorted((e["src"], e["dst"]) for e in snap["edges"]) == [("gpt2", "llama"), ("llama", "gpt2")]
+    edge = next(e for e in snap["edges"] if e["dst"] == "gpt2")
+    assert edge["residual"] == 1.0 and edge["rescue"] == 3.0 and edge["used"] == 6
+    assert snap["workers"]["w1"][-1][1:] == ["generator", "gpt2", "learner:llama starved: busy 16%"]
+    assert snap["moves"][0]["reason"].startswith("learner:llama starved")
+    assert snap["shown"] == 1.0 and snap["missed"] == 0 and snap["ended"]
+
+
+def test_series_stay_bounded(tmp_path):
+    state = LiveState(["gpt2"])
+    for k in range(5000):
+        state.record({"time": T0 + k, "event": "step", "model": "gpt2", "reward_mean": 0.5, "own_experiences": k})
+    assert 700 < len(state.snapshot()["models"]["gpt2"]["reward"]) < 1500
+
+
+def test_story_shows_every_model_with_bridged_tokens(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    state = fed(run_dir)
+    pid = list(state.prompts)[-1]
+    story = Storyteller(run_dir).story(pid, state.prompts[pid], list(state.models))
+    assert {m: len(s) for m, s in story["models"].items()} == {"gpt2": 4, "llama": 4}
+    sample = story["models"]["gpt2"][0]
+    bridged = sample["bridged"]["llama"]
+    # GPT-2 writes " 6" as one token, Mistral as two (space, digit): one group, residual 1.0
+    assert len(sample["tokens"]) == 1 and len(bridged["tokens"]) == 2 and bridged["residual"] == 1.0
+    assert bridged["group"] == [0, 0] and "verified" in sample and "staleness" in sample
+
+
+def test_once_replays_a_finished_run(tmp_path):
+    out = monitor(str(write_run(tmp_path / "run")), "--once")
+    assert out.returncode == 0, out.stderr
+    assert "48 experiences seen, 0 missed" in out.stdout
+    assert "gpt2 -> llama" in out.stdout and "llama -> gpt2" in out.stdout
+
+
+def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "run_result.json").unlink()  # running
+    front, back = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    proc = spawn_broker(BrokerConfig(frontend=front, backend=back, stats_interval_s=0.2))
+    (run_dir / "endpoints.json").write_text(json.dumps({"publish": front, "subscribe": back}))
+    try:
+        state = LiveState(["gpt2", "llama"])
+        sent = list(ExperienceLogReader(run_dir / "experience_log"))
+
+        async def watch():
+            attached = Attached(back, run_dir)
+            await attached.ready(10)
+            feeding = asyncio.create_task(attached.feed(state))
+            pub = BlockingPublisher(front)
+            for e in sent:
+                pub.send(e)
+            pub.close()
+            deadline = time.time() + 30
+            while (state.received < len(sent) or not state.broker) and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            feeding.cancel()
+            attached.close()
+
+        asyncio.run(watch())
+        assert state.received == len(sent) == 48 and state.missed == 0
+        assert state.broker["accepted"] >= 48
+        for rec in read_records(run_dir / "metrics.jsonl", state)[0]:
+            state.record(rec)
+        assert len(state.snapshot()["edges"]) == 2
+    finally:
+        BlockingPublisher(front).send(Control(SCHEMA_VERSION, "stop"))
+        proc.join(20)
+
+
+# --- bad input: one sentence on stderr, exit 2 ---
+
+def _one_sentence(out: subprocess.CompletedProcess, *words: str) -> None:
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    for w in words:
+        assert w in out.stderr, out.stderr
+
+
+def test_missing_run_directory(tmp_path):
+    _one_sentence(monitor(str(tmp_path / "nope"), "--once"), "no such run directory")
+
+
+def test_torn_experience_log(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    seg = run_dir / "experience_log" / "00000000.seg"
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a damaged frame with good data after it
+    seg.write_bytes(bytes(data))
+    _one_sentence(monitor(str(run_dir), "--once"), "experience_log", "damaged")
+
+
+def test_newer_schema(tmp_path):
+    run_dir = write_run(tmp_path / "run", schema=SCHEMA_VERSION + 1)
+    _one_sentence(monitor(str(run_dir), "--once"), "newer version", "upgrade")
+
+
+def test_endpoint_with_nothing_listening(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "run_result.json").unlink()  # looks running, but nothing serves its exchange
+    (run_dir / "endpoints.json").write_text(json.dumps({"subscribe": f"ipc://{tmp_path}/gone"}))
+    _one_sentence(monitor(str(run_dir), "--once", "--attach-timeout", "1"), "nothing is listening", "--replay")
