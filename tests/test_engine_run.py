@@ -178,8 +178,8 @@ def test_a_model_whose_last_learner_dies_leaves_and_its_peer_trains_solo(tmp_pat
     assert run.leftover() == []
 
 
-def test_death_of_the_broker_stops_the_run_with_one_error(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, "train.steps=1000")
+def test_death_of_the_broker_past_its_restarts_stops_the_run_with_one_error(tmp_path, engine_cache):
+    run = Run(tmp_path / "run", engine_cache, "train.steps=1000", "pool.max_broker_restarts=0")
     run.wait_steps(2)
     run.kill_worker("broker")
     assert run.finish() == 1, run.out[-3000:]
