@@ -68,6 +68,15 @@ class GenerationBackend(Protocol):
         ...
 
 
+def request_rows(prompts: list[list[int]], num_samples: int, temperature: float) -> list[list[int]]:
+    """Every backend's checks of a request, and its rows: each prompt ``num_samples`` times, in order."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (a BOS, if nothing else)")
+    return [p for p in prompts for _ in range(num_samples)]
+
+
 class HFBackend:
     """Batched sampling with an HF causal LM, a KV cache and left padding.
 
@@ -129,11 +138,7 @@ class HFBackend:
         seed: int | None = None,
     ) -> list[list[Sample]]:
         self._check_held("generate")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token (a BOS, if nothing else)")
-        rows = [p for p in prompts for _ in range(num_samples)]
+        rows = request_rows(prompts, num_samples, temperature)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else random.SystemRandom().getrandbits(63))
         samples: list[Sample] = []

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from policies.backend import BackendReleased, Sample
+from policies.backend import BackendReleased, Sample, request_rows
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -142,11 +142,7 @@ class SglangBackend:
     def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int,
                  temperature: float, seed: int | None = None) -> list[list[Sample]]:
         self._check_held("generate")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token (a BOS, if nothing else)")
-        rows = [p for p in prompts for _ in range(num_samples)]
+        rows = request_rows(prompts, num_samples, temperature)
         base = seed if seed is not None else random.SystemRandom().getrandbits(31)
         payload = {"input_ids": rows, "return_logprob": True,
                    "sampling_params": [self._params(max_new_tokens, temperature, base, i) for i in range(len(rows))]}
