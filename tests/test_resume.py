@@ -105,7 +105,7 @@ def test_a_dead_last_learner_restarts_from_its_checkpoint_inside_the_run(tmp_pat
     assert run.finish() == 0, run.out[-3000:]
     assert "[run] w3 (learner of llama) exited with code -9: w4 restarts llama's learner from its step-" in run.out
     restart = run.events("learner_restart")
-    assert [(r["gen_model"], r["worker"]) for r in restart] == [("llama", "w4")]
+    assert [(r["gen_model"], r["worker"], r["attempt"], r["backoff_s"]) for r in restart] == [("llama", "w4", 1, 1.0)]
     records = run.records()
     trained = _lineage(records, "llama")
     assert sorted(trained) == list(range(STEPS * Q)), "llama: a prompt skipped or trained twice across the restart"
