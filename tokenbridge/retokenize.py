@@ -112,7 +112,8 @@ def retokenize_many(
     """Align each validated, non-empty source id array onto the destination's encoding of its text."""
     results: dict[int, Aligned | BridgeError] = {}
     texts: list[tuple[int, Source]] = []
-    for k, source in enumerate(_sources(src, batch, dst_eos_id)):
+    sources, spelled = _sources(src, batch, dst_eos_id)
+    for k, source in enumerate(sources):
         if isinstance(source, BridgeError):
             results[k] = source
         elif source.raw:
@@ -124,8 +125,8 @@ def retokenize_many(
     if texts:
         lists = encoders.ids([source.text for _, source in texts])
         slow = list(range(len(texts)))
-        if dst.exact:
-            slow = _fast(src, dst, texts, lists, dst_eos_id, results)
+        if dst.exact:  # the batch's spelling serves again when every completion has text (the usual case)
+            slow = _fast(src, dst, texts, lists, dst_eos_id, results, spelled if len(texts) == len(batch) else None)
         for i in slow:
             k, source = texts[i]
             try:
@@ -154,9 +155,10 @@ def _spelled_runs(src: VocabProfile, runs: list[np.ndarray]) -> tuple:
     return any_flags, raw, bounds, byte_firsts, drop, firsts
 
 
-def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> list[Source | BridgeError]:
-    """Each completion's text, cut from the batch's bytes (end tokens have none)."""
-    any_flags, raw, _, byte_firsts, drop, firsts = _spelled_runs(src, batch)
+def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> tuple[list[Source | BridgeError], tuple]:
+    """Each completion's text, cut from the batch's bytes (end tokens have none), and the batch's spelling."""
+    spelled = _spelled_runs(src, batch)
+    any_flags, raw, _, byte_firsts, drop, firsts = spelled
     raw_all, at, drops, firsts = raw.tobytes(), byte_firsts.tolist(), drop.tolist(), firsts.tolist()
     special = None
     if any_flags & SPECIAL:
@@ -169,17 +171,20 @@ def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None)
             out.append(Source(ids, n_end, text_raw, drops[k], _decoded(text_raw)))
         except BridgeError as exc:
             out.append(exc)
-    return out
+    return out, spelled
 
 
 def _fast(
     src: VocabProfile, dst: VocabProfile, texts: list[tuple[int, Source]], lists: list[list[int]], dst_eos_id,
-    results: dict,
+    results: dict, spelled: tuple | None = None,
 ) -> list[int]:
     """Align, into `results`, every completion whose destination tokens spell its text (after at most one
-    dummy-prefix space); return the indices into `texts` of the others."""
+    dummy-prefix space); return the indices into `texts` of the others. `spelled`: `_spelled_runs` of
+    exactly these completions' ids, if the caller has it."""
     sources = [source for _, source in texts]
-    _, raw, bounds, byte_firsts, _, src_firsts = _spelled_runs(src, [source.ids for source in sources])
+    if spelled is None:
+        spelled = _spelled_runs(src, [source.ids for source in sources])
+    _, raw, bounds, byte_firsts, _, src_firsts = spelled
     flat = array("I")
     dst_firsts = [0]
     for ids in lists:
