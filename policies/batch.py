@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -47,6 +48,13 @@ class ObjectiveBatch:
     peer_align: Tensor  # (P, T2) long, THL aligned-group id of each token (-1 on padding)
     ref_logp: Tensor | None = None  # (B, T) reference policy, for the optional KL
     peer_staleness: Tensor | None = None  # (P,) long; None -> peers are never dropped for age
+    # A data-parallel step's denominators (policies.denominators): (site, this batch's count) -> the count
+    # over the whole step's batch. None: this batch is the whole batch, as in one process.
+    totals: Callable[[str, Tensor], Tensor] | None = None
+
+    def total(self, site: str, local: Tensor) -> Tensor:
+        """The denominator at normalising site ``site``: ``local`` (this batch's count), or the whole step's."""
+        return local if self.totals is None else self.totals(site, local)
 
     @property
     def num_own(self) -> int:

@@ -8,6 +8,7 @@ in policies/OBJECTIVES.md. Shared pieces live in ``advantages`` (group statistic
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -70,12 +71,12 @@ def _own_term(batch: ObjectiveBatch, config: SurrogateConfig, adv: Tensor, fresh
     prox = batch.prox_logp if batch.prox_logp is not None else batch.logp.detach()
     iw, truncated = behaviour_weight(prox, batch.behav_logp, mask, config.behav_weight_cap)
     tok = clipped_surrogate(batch.logp, prox, adv, iw, mask, config.eps_low, config.eps_high)
-    pg = aggregate([(tok.loss, mask)], config.aggregation)
+    pg = aggregate([(tok.loss, mask)], config.aggregation, partial(batch.total, "own"))
     kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
     if config.kl_coef > 0.0:
         if batch.ref_logp is None:
             raise ValueError("objective config kl_coef > 0 needs batch.ref_logp (reference log-probs); set kl_coef = 0 or pass them")
-        kl = aggregate([(k3_kl(batch.logp, batch.ref_logp, mask), mask)], config.aggregation)
+        kl = aggregate([(k3_kl(batch.logp, batch.ref_logp, mask), mask)], config.aggregation, partial(batch.total, "kl"))
     kept_adv = adv.detach()[fresh.keep].float()
     stats = {
         "clip_frac": masked_mean(tok.clipped.float(), mask),
@@ -190,7 +191,8 @@ def prp_objective(*, batch: ObjectiveBatch, config: PRPConfig, rng: torch.Genera
     peer_tok = clipped_surrogate(
         batch.peer_logp, batch.peer_logp.detach(), adv.peer, w, peer.mask, config.eps_low, config.eps_high
     )
-    pg = aggregate([(term.token_loss, fresh.mask), (peer_tok.loss, peer.mask)], config.aggregation)
+    pg = aggregate([(term.token_loss, fresh.mask), (peer_tok.loss, peer.mask)], config.aggregation,
+                   partial(batch.total, "pooled"))
     stats = term.stats
     kept_peer_adv = adv.peer.detach()[peer.keep].float()
     stats.update(
@@ -224,9 +226,10 @@ def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Genera
     token_nll = -torch.where(peer.mask > 0, batch.peer_logp, torch.zeros_like(batch.peer_logp)) * peer.mask
     nll = token_nll.sum(dim=1)
     if config.nll_norm == "token_mean":
-        nll = nll / lengths.clamp(min=1.0)
-    rescued = chosen.sum()
-    sgt_term = torch.where(chosen, nll, torch.zeros_like(nll)).sum() / rescued.clamp(min=1).to(nll.dtype)
+        nll = nll / lengths.clamp(min=1.0)  # the row's own length: the same on any share of the batch
+    rescued = chosen.sum()  # = groups with an eligible row, whichever row the draw picks
+    per_group = batch.total("rescued", rescued).clamp(min=1).to(nll.dtype)  # the whole step's rescue set
+    sgt_term = torch.where(chosen, nll, torch.zeros_like(nll)).sum() / per_group
     loss = loss + config.lam * sgt_term
     stats.update(
         rescue_set_size=float(rescued),

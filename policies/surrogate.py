@@ -16,7 +16,7 @@ summing would let one very unlikely token be outvoted by a few likely ones.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -78,22 +78,27 @@ def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     return log_r.exp() - log_r - 1.0
 
 
-def aggregate(parts: list[tuple[Tensor, Tensor]], mode: Aggregation) -> Tensor:
+def aggregate(parts: list[tuple[Tensor, Tensor]], mode: Aggregation,
+              total: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Reduce several (loss (R, T), mask (R, T)) blocks to one scalar, pooling all their rows.
 
     token_mean: sum of masked token losses / number of masked tokens (over all blocks).
     seq_mean: mean over rows with >= 1 token of each row's masked token mean.
     An all-masked input gives 0 with a finite (zero) gradient.
+    ``total`` maps these blocks' denominator (tokens, or rows with a token) to the one to divide
+    by: a data-parallel step gives the whole step's (``ObjectiveBatch.total``), so the ranks'
+    losses add up to the whole batch's. The numerator is always these blocks' own.
     """
+    total = total or (lambda count: count)
     if mode == "token_mean":
-        total = sum((torch.where(m > 0, l, torch.zeros_like(l)) * m).sum() for l, m in parts)
-        tokens = sum(m.sum() for _, m in parts)
-        return total / torch.clamp(torch.as_tensor(tokens, dtype=total.dtype), min=1.0)
+        loss = sum((torch.where(m > 0, l, torch.zeros_like(l)) * m).sum() for l, m in parts)
+        tokens = total(torch.as_tensor(sum(m.sum() for _, m in parts), dtype=loss.dtype))
+        return loss / torch.clamp(tokens, min=1.0)
     if mode == "seq_mean":
         row_sums = [(torch.where(m > 0, l, torch.zeros_like(l)) * m).sum(dim=1) for l, m in parts]
         row_lens = [m.sum(dim=1) for _, m in parts]
-        means = torch.cat([s / n.clamp(min=1.0) for s, n in zip(row_sums, row_lens)])
-        rows = torch.cat([(n > 0).to(means.dtype) for n in row_lens]).sum()
+        means = torch.cat([s / n.clamp(min=1.0) for s, n in zip(row_sums, row_lens)])  # a row's own length: exact
+        rows = total(torch.cat([(n > 0).to(means.dtype) for n in row_lens]).sum())
         return means.sum() / rows.clamp(min=1.0)
     raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', got {mode!r}")
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from policies.batch import ObjectiveBatch
-from policies.logprobs import completion_logprobs, pack
+from policies.logprobs import Packed, completion_logprobs, pack
 
 
 def pad_rows(rows: list[np.ndarray], width: int, fill: float, dtype) -> torch.Tensor:
@@ -19,6 +19,10 @@ def pad_rows(rows: list[np.ndarray], width: int, fill: float, dtype) -> torch.Te
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return torch.from_numpy(out)
+
+
+def _logprobs(model, packed: Packed) -> torch.Tensor:
+    return torch.zeros_like(packed.comp_mask) if model is None else completion_logprobs(model, packed)
 
 
 class OwnSample(msgspec.Struct, array_like=True):
@@ -63,10 +67,13 @@ def build_batch(
     pad_id: int,
     peer_version: dict[str, int] | None = None,
 ) -> ObjectiveBatch:
-    """The ObjectiveBatch of one learner step; group index = position of the prompt in ``prompt_order``."""
+    """The ObjectiveBatch of one learner step; group index = position of the prompt in ``prompt_order``.
+
+    ``model`` None runs no forward: log-probs are zeros, a batch for counting denominators only
+    (``policies.denominators.local_counts``)."""
     index = {pid: g for g, pid in enumerate(prompt_order)}
     packed = pack([s.prompt_ids for s in own], [s.completion_ids for s in own], pad_id)
-    logp = completion_logprobs(model, packed)
+    logp = _logprobs(model, packed)
     T = logp.shape[1]
     behav = pad_rows([s.behaviour_logprobs for s in own], T, 0.0, np.float32)
     fields = dict(
@@ -83,7 +90,7 @@ def build_batch(
     if not peers:
         return ObjectiveBatch(**fields, **ObjectiveBatch.empty_peers(T))
     ppacked = pack([p.prompt_ids for p in peers], [p.completion_ids for p in peers], pad_id)
-    plogp = completion_logprobs(model, ppacked)
+    plogp = _logprobs(model, ppacked)
     T2 = plogp.shape[1]
     versions = peer_version or {}
     return ObjectiveBatch(

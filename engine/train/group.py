@@ -208,6 +208,13 @@ def allreduce_grads(params: list[torch.Tensor]) -> None:
         p.grad = piece.to(p.device, copy=True)  # owns its memory, on p's device
 
 
+@collective
+def allreduce_counts(counts: torch.Tensor) -> torch.Tensor:
+    """``counts`` (a CPU tensor) summed over the group, in place; every rank must call it, with the same length."""
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return counts
+
+
 def _host_bytes(t: torch.Tensor) -> bytes:
     """A tensor's bytes as a CPU tensor holds them (the same on any device)."""
     return t.detach().cpu().contiguous().numpy().tobytes()

@@ -5,8 +5,12 @@ NCCL on GPUs): every rank holds 1/world of each parameter, gradient and AdamW mo
 gathers a block's weights only while that block runs. ``sharded_step`` is one optimizer step
 of ``engine.train.step.train_share`` in that form: rank r trains on ``prompts[r::world]``,
 split into ``accum`` micro-batches whose gradients accumulate locally and are reduce-scattered
-(summed: the divide factor is 1) after the last one, so the step's gradient is the same sum of
-shares as the data-parallel step's.
+(summed: the divide factor is 1) after the last one. Each micro-batch's loss is its numerator
+over the whole step's denominators: before any forward, every rank counts each normalising
+site over all of its micro-batches, on batches without a forward, and one all-reduce adds the
+ranks' counts (``engine.train.step.step_totals``). The micro-batches' losses of all ranks
+then add up to the loss of the whole batch on one process, and the step's gradient is its
+gradient to float rounding, for any objective, aggregation and token counts.
 
 FSDP2 needs every rank to run the same forwards (each one all-gathers): ranks agree on how
 many forwards each micro-batch takes (own samples, plus one for peers' tokens) and a rank with
@@ -15,7 +19,8 @@ non-reentrant one, per block) and a MixedPrecisionPolicy (``BF16_MASTER_FP32``: 
 fp32 master weights and fp32 gradient reduction; for GPUs, not yet run on one).
 
 Tested on two gloo ranks (tests/test_sharding.py): bit for bit against one process computing
-the same shares. What it took on torch 2.13 + gloo: a plain SUM reduction (gloo has no
+the same pieces with the same denominators, and to float32 rounding against one batch of
+every prompt. What it took on torch 2.13 + gloo: a plain SUM reduction (gloo has no
 PREMUL_SUM, which a divide factor of 1 otherwise asks for), the divide factor set on every
 unit (the root's does not reach its children), and policies.logprobs entered through an
 FSDP-hooked method, since it calls base_model and the head itself, never the root's forward.
@@ -34,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from engine.train import group as dp
 from engine.train.batching import build_batch
 from policies import logprobs
+from engine.train.step import step_totals
 from policies.objectives import compute_loss
 
 BF16_MASTER_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -95,6 +101,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
     state.optimizer.zero_grad(set_to_none=True)
     stats: dict = {}
     pieces = micro_batches(data.prompts[rank::world], accum)
+    totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id)  # a collective: every rank
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         state.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last piece
@@ -104,7 +111,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
         # Agreed before any forward runs (each forward is a sequence of all-gathers every rank must join);
         # the last piece runs one somewhere, since its backward is what reduce-scatters the gradients.
         most = _most_forwards(forwards, at_least=int(last))
-        loss, piece_stats = _piece_loss(state, data, own_p, peers_p, piece, pad_id, objective)
+        loss, piece_stats = _piece_loss(state, data, own_p, peers_p, piece, pad_id, objective, totals)
         loss = loss + _padding_forwards(state.model, most - forwards, pad_id)
         if loss.requires_grad:
             loss.backward()
@@ -123,13 +130,14 @@ def _plain(value: torch.Tensor) -> float:
     return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
 
-def _piece_loss(state: dp.TrainState, data: dp.StepData, own, peers, piece: list[int], pad_id: int, objective):
-    """The piece's loss scaled by its share of the step's prompts, and its stats."""
+def _piece_loss(state: dp.TrainState, data: dp.StepData, own, peers, piece: list[int], pad_id: int, objective,
+                totals):
+    """The piece's numerator over the step's denominators (``totals``), and its stats."""
     if not piece:
         return torch.zeros(()), {}
     batch = build_batch(state.model, own, peers, piece, state.version, pad_id, data.peer_version)
-    loss, stats = compute_loss(batch, objective, state.rng)
-    return loss * len(piece) / len(data.prompts), stats
+    batch.totals = totals
+    return compute_loss(batch, objective, state.rng)
 
 
 def _most_forwards(forwards: int, at_least: int) -> int:

@@ -1,0 +1,159 @@
+"""Two gloo ranks of the data-parallel step (real processes) give the gradient of one rank on the whole batch.
+
+The shares hold different numbers of tokens (rank 0's completions are long, rank 1's short),
+rows (seq_mean: prompts with more samples) and rescue groups (SGT), so a share's own mean
+scaled by its share of the prompts (the old step) is visibly off: each case also asserts that
+the old scaling misses the one-rank gradient by far more than the tolerance the new step
+meets. The last case has one prompt for two ranks: rank 1's share is empty, and it still joins
+every collective. One spawn runs every case in turn, each on a fresh tiny GPT-2.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.runtime.rundir import free_port
+from engine.train import group as dp
+from engine.train.batching import OwnSample, PeerSample, build_batch
+from engine.train.optim import adamw
+from engine.train.step import peers_for, train_share
+
+WORLD, LR, CLIP = 2, 1e-2, 1e6  # the clip never binds: the summed gradient is what the step keeps
+# (objective config, prompts); prompts 0 and 2 go to rank 0, 1 and 3 to rank 1
+CASES = {
+    "grpo": ({"kind": "grpo"}, [0, 1, 2, 3]),
+    "grpo_seq": ({"kind": "grpo", "aggregation": "seq_mean"}, [0, 1, 2, 3]),
+    "prp": ({"kind": "prp"}, [0, 1, 2, 3]),
+    "sgt": ({"kind": "sgt", "lambda": 0.5}, [0, 1, 2, 3]),
+    "grpo_empty_share": ({"kind": "grpo"}, [0]),
+    "prp_empty_share": ({"kind": "prp"}, [0]),
+}
+
+
+def _objective(name: str):
+    from policies.objectives import ObjectiveConfig
+
+    return msgspec.convert(CASES[name][0], ObjectiveConfig)
+
+
+@functools.cache
+def _initial_model():
+    from policies.models import ModelSpec, build_policy
+    from tokenbridge import load_tokenizer
+
+    tok = load_tokenizer("gpt2")
+    spec = ModelSpec(name="tiny", arch="gpt2", tokenizer="gpt2", n_layer=1, n_embd=32, n_head=2, max_seq_len=48)
+    return build_policy(spec, tok, seed=1).train(), tok.eos_token_id
+
+
+def _model():
+    """A fresh state on the same initial weights (built once per process, copied per case)."""
+    initial, pad = _initial_model()
+    model = copy.deepcopy(initial)
+    return dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0)), pad
+
+
+def _data(name: str, vocab: int) -> dp.StepData:
+    """Even prompts: 4 samples of 9 tokens; odd: 2 of 2. Prompts 0, 1, 2 fail every sample but one peer succeeds."""
+    rng = np.random.default_rng(7)
+    prompts = CASES[name][1]
+    own, peers = [], []
+    for p in prompts:
+        n, count = (9, 4) if p % 2 == 0 else (2, 2)
+        for i in range(count):
+            reward = float(p == 3 and i == 0) if name == "sgt" else float(i % 2)
+            own.append(OwnSample(prompt_ids=rng.integers(0, vocab, 4), completion_ids=rng.integers(0, vocab, n),
+                                 behaviour_logprobs=np.full(n, -2.0, np.float32), reward=reward,
+                                 verified=reward > 0, weight_version=0, prompt_id=p))
+        for j in range(2 if p < 3 else 0):
+            m = 6 if p % 2 == 0 else 3
+            peers.append(PeerSample(model="peer", prompt_id=p, prompt_ids=rng.integers(0, vocab, 4),
+                                    completion_ids=rng.integers(0, vocab, m),
+                                    behaviour_logprobs=np.full(m, -1.5, np.float32), align=np.arange(m),
+                                    residual=0.0, reward=float(j == 0), verified=j == 0, weight_version=0))
+    return dp.StepData(prompts, own, peers, {"peer": 0}, 0)
+
+
+def _chosen(objective, data: dp.StepData) -> tuple[list, list]:
+    from policies.objectives import peer_need
+
+    return data.own, peers_for(peer_need(objective.kind), data.own, data.peers)
+
+
+def _grads(state: dp.TrainState) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in state.model.named_parameters()}
+
+
+def _rank(rank: int, endpoint: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=endpoint, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))  # a deadlock fails the test instead of hanging it
+    results = {}
+    for name in CASES:
+        state, pad = _model()
+        data, objective = _data(name, state.model.config.vocab_size), _objective(name)
+        own, peers = _chosen(objective, data)
+        figures = train_share(state, data, own, peers, rank, WORLD, objective, pad, CLIP, LR)
+        results[name] = {"grads": _grads(state), "weights": dp.params_digest(state.model), "figures": figures}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _one_rank(name: str) -> tuple[dict, dict]:
+    """The step on one process, every prompt in one batch."""
+    state, pad = _model()
+    data, objective = _data(name, state.model.config.vocab_size), _objective(name)
+    own, peers = _chosen(objective, data)
+    figures = train_share(state, data, own, peers, 0, 1, objective, pad, CLIP, LR)
+    return _grads(state), figures
+
+
+def _old_scaling(name: str) -> dict:
+    """The summed gradient of each share's own loss scaled by its share of the prompts (the step before)."""
+    from policies.objectives import compute_loss
+
+    state, pad = _model()
+    data, objective = _data(name, state.model.config.vocab_size), _objective(name)
+    own, peers = _chosen(objective, data)
+    for r in range(WORLD):
+        share = data.prompts[r::WORLD]
+        if share:
+            batch = build_batch(state.model, [s for s in own if s.prompt_id in share],
+                                [p for p in peers if p.prompt_id in share], share, 0, pad, data.peer_version)
+            loss, _ = compute_loss(batch, objective, torch.Generator().manual_seed(0))
+            (loss * len(share) / len(data.prompts)).backward()  # accumulates over the shares
+    return _grads(state)
+
+
+def _relative_error(got: dict, want: dict) -> float:
+    diff = sum(float((got[n] - want[n]).pow(2).sum()) for n in want) ** 0.5
+    return diff / sum(float(want[n].pow(2).sum()) for n in want) ** 0.5
+
+
+def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) -> None:
+    torch.set_num_threads(1)
+    out = str(tmp_path / "grads")
+    mp.spawn(_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    for name in CASES:
+        want, figures = _one_rank(name)
+        got = ranks[0][name]["grads"]
+        assert ranks[0][name]["weights"] == ranks[1][name]["weights"], f"{name}: the ranks' weights differ"
+        for n, g in want.items():
+            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{name} {n}: {m}")
+        assert _relative_error(got, want) < 1e-5 and figures["grad_norm"] > 0, name
+        if name == "sgt":
+            rescued = [r[name]["figures"]["obj/rescue_set_size"] for r in ranks]
+            assert rescued == [2.0, 1.0] and figures["obj/rescue_set_size"] == 3.0, "rescues on both, unequal"
+        if "empty" in name:
+            assert ranks[1][name]["figures"]["share_samples"] == 0
+            continue
+        assert _relative_error(_old_scaling(name), want) > 1e-2, f"{name}: the shares must be unequal enough to tell"
