@@ -1,8 +1,8 @@
 """Weights & Biases logging of a run's metrics (``run.wandb``, or ``launch.py monitor RUN_DIR --wandb``).
 
 One function, ``export``, follows ``RUN_DIR/metrics.jsonl`` (as the monitor tails it) and logs
-what TensorBoard gets: every number of each learner ``step`` record and the held-out accuracy of
-each ``final`` record, as ``<model>/<tag>`` against that model's own step axis (``<model>/step``),
+what TensorBoard gets: the warm-start accuracy, every number of each learner ``step`` record and the
+final held-out accuracy, as ``<model>/<tag>`` against that model's own step axis (``<model>/step``),
 into one W&B run under ``RUN_DIR/wandb/`` with the run's config.toml as its config. In offline
 mode nothing leaves the machine: ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later.
 
@@ -41,11 +41,14 @@ def tag(key: str) -> str:
 
 
 def row(rec: dict) -> dict | None:
-    """The W&B row of a metrics.jsonl record: a model's step record, or its final held-out accuracy; else None."""
+    """The W&B row of a metrics.jsonl record, as the learner gives TensorBoard: a model's warm-start accuracy
+    (``start``), its step records, its final held-out accuracy (``final``); None for any other record."""
     model, event, step = rec.get("model"), rec.get("event"), rec.get("step")
-    if not isinstance(model, str) or not isinstance(step, int) or event not in ("step", "final"):
+    if not isinstance(model, str) or not isinstance(step, int) or event not in ("start", "step", "final"):
         return None
-    if event == "final":
+    if event == "start":
+        rec = {k: rec.get(k) for k in ("warm_accuracy", "warm_accuracy_stderr")}
+    elif event == "final":
         rec = {"final_accuracy": rec.get("accuracy"), "final_accuracy_stderr": rec.get("accuracy_stderr")}
     values = {f"{model}/{tag(k)}": v for k, v in rec.items() if k not in ("time", "step") and not isinstance(v, bool)
               and isinstance(v, int | float) and math.isfinite(v)}
@@ -107,8 +110,12 @@ def start(run_dir: Path, mode: str) -> subprocess.Popen | None:
     if mode == "off":
         return None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "monitor.wandb_sink", str(run_dir), mode],
-                            stdin=subprocess.PIPE, env=env)
+    try:  # its own session: a Ctrl-C meant for the run reaches neither it nor wandb's service process
+        return subprocess.Popen([sys.executable, "-m", "monitor.wandb_sink", str(run_dir), mode],
+                                stdin=subprocess.PIPE, env=env, start_new_session=True)
+    except OSError as exc:
+        print(f"warning: W&B logging of {run_dir} did not start: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def finish(proc: subprocess.Popen | None, timeout_s: float = FINISH_S) -> None:
@@ -134,7 +141,7 @@ def main(argv: list[str]) -> int:
         return 2
     run_dir, mode = Path(argv[0]), argv[1]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher decides when we stop: it closes our stdin
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)  # (or it died: that closes our stdin too)
     with contextlib.suppress(OSError):
         os.nice(NICE)
     over = threading.Event()

@@ -71,7 +71,8 @@ def history(records: list) -> list[dict]:
 
 
 def expected_rows(run_dir: Path) -> list[dict]:
-    """What TensorBoard gets of metrics.jsonl (engine.runtime.tbevents), as <model>/<tag> on the model's step."""
+    """What the learner gives TensorBoard (engine.roles.learner, engine.runtime.tbevents), as <model>/<tag> on the
+    model's step: the warm-start accuracy, every number of a step record (not flags), the final accuracy."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
@@ -79,7 +80,10 @@ def expected_rows(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         model = rec.get("model")
-        if rec.get("event") == "final":
+        if rec.get("event") == "start":
+            rec = {"step": rec["step"], "warm_accuracy": rec["warm_accuracy"],
+                   "warm_accuracy_stderr": rec.get("warm_accuracy_stderr")}
+        elif rec.get("event") == "final":
             rec = {"step": rec["step"], "final_accuracy": rec["accuracy"],
                    "final_accuracy_stderr": rec.get("accuracy_stderr")}
         elif rec.get("event") != "step":
@@ -112,8 +116,9 @@ def test_every_step_and_final_reaches_wandb_as_tensorboard_gets_it(tmp_path):
     records = wandb_records(run_dir)
     rows = history(records)
     assert rows == expected_rows(run_dir)
-    assert len(rows) == 2 * 6 + 2 + 1  # 6 steps and a final of each model (write_run's), the final above
-    assert {"gpt2/eval/accuracy", "llama/obj/sgt_nll", "gpt2/eval/final_accuracy"} <= set().union(*rows)
+    assert len(rows) == 2 * (1 + 6 + 1) + 1  # each model's start, 6 steps and final (write_run's), the final above
+    assert {"gpt2/eval/warm_accuracy", "gpt2/eval/accuracy", "llama/obj/sgt_nll", "gpt2/eval/final_accuracy",
+            "llama/eval/final_accuracy"} <= set().union(*rows)
     assert not any(k.endswith(("/solo", "/time", "/peers_gone")) for row in rows for k in row)  # flags, lists: not
     assert rows[-2]["llama/step"] == 6 and "llama/thl_residual_mean" not in rows[-2]  # nor a null: "not measured"
     axes = {r.metric.glob_name: r.metric.step_metric for r in records
