@@ -71,12 +71,23 @@ def run_command(args: argparse.Namespace) -> int:
     opened = open_run(args)
     if opened is None:
         return 2
+    cfg, run_dir = opened
+    return train(cfg, run_dir)
+
+
+def train(cfg, run_dir, resume: bool = False) -> int:
+    """The run, with its W&B logger beside it when ``run.wandb`` is on (``monitor.wandb_sink``), then its report."""
     import uvloop
 
     from engine.coordinator import Coordinator
+    from monitor import wandb_sink
 
-    cfg, run_dir = opened
-    return finish_with_report(uvloop.run(Coordinator(cfg, run_dir).run()), run_dir)
+    sink = wandb_sink.start(run_dir, cfg.run.wandb)
+    try:
+        code = uvloop.run(Coordinator(cfg, run_dir, resume=resume).run())
+    finally:
+        wandb_sink.finish(sink)
+    return finish_with_report(code, run_dir)
 
 
 def finish_with_report(code: int, run_dir) -> int:
@@ -92,7 +103,7 @@ def finish_with_report(code: int, run_dir) -> int:
 
 
 RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
-             "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides what was trained
+             "run.wandb", "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides the training
 
 
 def resume_command(args: argparse.Namespace) -> int:
@@ -130,11 +141,7 @@ def resume_command(args: argparse.Namespace) -> int:
     if args.overrides:
         write_resolved_config(cfg, run_dir)  # a later resume continues with these values
     print(f"resuming {run_dir}", flush=True)
-    import uvloop
-
-    from engine.coordinator import Coordinator
-
-    return finish_with_report(uvloop.run(Coordinator(cfg, run_dir, resume=True).run()), run_dir)
+    return train(cfg, run_dir, resume=True)
 
 
 def cache_command(args: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 
 TARGET running (no run_result.json, FAILED or INTERRUPTED yet): attach to its exchange as a
 lossy subscriber and tail its metrics. TARGET finished (or ``--replay``): replay its experience
-log and metrics at ``--speed``. ``--once`` prints one plain-text snapshot and exits. Bad input
-is one sentence on stderr and exit 2.
+log and metrics at ``--speed``. ``--once`` prints one plain-text snapshot and exits. ``--wandb``
+logs its metrics to Weights & Biases (``monitor.wandb_sink``) and exits once the run has ended. Bad
+input is one sentence on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", action="store_true", help="replay the run's files even if it is still running")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument("--attach-timeout", type=float, default=5.0, help="seconds to wait for the run's broker")
+    p.add_argument("--wandb", nargs="?", const="offline", choices=("offline", "online"), metavar="MODE",
+                   help="log the run's metrics to Weights & Biases instead (offline unless MODE is online: "
+                        "RUN_DIR/wandb/, then `wandb sync`), following a running run until it ends")
     p.set_defaults(handler=monitor_command)
 
 
@@ -42,12 +46,29 @@ def monitor_command(args: argparse.Namespace) -> int:
         print(f"error: --speed {args.speed:g}: must be 0 (as fast as possible) or more", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_monitor(args))
+        return _wandb(args) if args.wandb else asyncio.run(_monitor(args))
     except MonitorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
+
+
+def _wandb(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from monitor.sources import MonitorError, check_run_dir, is_finished
+    from monitor.wandb_sink import INSTALL, export, logged
+
+    run_dir = Path(args.target)
+    check_run_dir(run_dir)
+    if importlib.util.find_spec("wandb") is None:
+        raise MonitorError(f"--wandb needs the wandb package, which is not installed; {INSTALL}")
+    where = export(run_dir, args.wandb, lambda: is_finished(run_dir))
+    if where is None:
+        return 1
+    print(logged(run_dir, args.wandb, where), flush=True)
+    return 0
 
 
 async def _monitor(args: argparse.Namespace) -> int:

@@ -78,7 +78,8 @@ def read_experiences(run_dir: Path) -> list:
 
 
 def read_records(path: Path, state: LiveState, offset: int = 0) -> tuple[list[dict], int]:
-    """Whole lines of metrics.jsonl from ``offset``; a line being written stays for the next read."""
+    """Whole lines of metrics.jsonl from ``offset``; a line being written stays for the next read. Torn lines
+    count in ``state.skipped_lines`` (a LiveState, or any object with that counter)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)

@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import ConfigError, default_cache_root, load_run_config
 from engine.runtime.rundir import write_resolved_config
+from tests.monitorrun import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -176,3 +177,29 @@ def test_readme_run_commands_are_valid_as_written():
     for command in commands:
         args = build_parser().parse_args(shlex.split(command)[2:])
         preflight(load_run_config(ROOT / args.config, args.overrides))
+
+
+BLOCKED = """
+import sys
+sys.modules["wandb"] = None  # as if not installed: importing it raises ImportError
+import engine.cli, monitor.cli, monitor.wandb_sink  # none of them imports wandb unless switched on
+import launch
+sys.exit(launch.main(sys.argv[1:]))
+"""
+
+
+def test_wandb_switched_on_but_not_installed_is_one_sentence_and_nothing_written(tmp_path):
+    assert load_run_config(SMOKE).run.wandb == "off"  # off unless asked for
+    run = subprocess.run([sys.executable, "-c", BLOCKED, "run", "--config", str(SMOKE), "--set",
+                          'run.wandb="offline"', "--run-dir", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    line = run.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    assert "run.wandb" in line and "pip install -e '.[wandb]'" in line and "--set" in line, line
+    assert not (tmp_path / "run").exists()
+    write_run(tmp_path / "done", prompts=0)
+    mon = subprocess.run([sys.executable, "-c", BLOCKED, "monitor", str(tmp_path / "done"), "--wandb"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert mon.returncode == 2 and "--wandb" in mon.stderr and "pip install" in mon.stderr, mon.stderr
+    assert "\n" not in mon.stderr.strip() and not (tmp_path / "done" / "wandb").exists()

@@ -40,6 +40,9 @@ class RunSection(_Section):
     checkpoint_every: Annotated[int, Meta(ge=0)] = 50  # learner steps between resumable checkpoints (0: at the end)
     keep_checkpoints: PosInt = 2  # newest step checkpoints kept per model
     tensorboard: bool = True  # every learner metric as TensorBoard scalars in RUN_DIR/tensorboard/<model>/
+    # the same metrics to Weights & Biases (an extra: pip install -e '.[wandb]'): "offline" writes RUN_DIR/wandb/
+    # for a later `wandb sync`, "online" streams to a project set up with `wandb login`
+    wandb: Literal["off", "offline", "online"] = "off"
 
 
 class TrainSection(_Section):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from engine.config.load import ConfigError, Origin
@@ -14,6 +15,9 @@ def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunC
         raise origin.error("objective.kind", f"{cfg.objective.kind!r} uses peer experience and needs >= 2 models; "
                                              'use kind = "grpo" for a single model')
     _pool(cfg, origin, check_machine)
+    if cfg.run.wandb != "off" and check_machine and importlib.util.find_spec("wandb") is None:
+        raise origin.error("run.wandb", f"{cfg.run.wandb!r} needs the wandb package, which is not installed; "
+                                      "pip install -e '.[wandb]' (or set run.wandb = \"off\")")
     return cfg
 
 
