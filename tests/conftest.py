@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -16,3 +17,26 @@ def engine_cache(tmp_path_factory) -> Path:
         Path(kept).mkdir(parents=True, exist_ok=True)
         return Path(kept)
     return tmp_path_factory.mktemp("mutual_rl_cache")
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """A test that leaves a multiprocessing child running fails, and the child is killed: at exit
+    multiprocessing joins every child, so one left alive would hang pytest (and CI) for good."""
+    before = set(multiprocessing.active_children())
+    yield
+    left = [p for p in multiprocessing.active_children() if p not in before]
+    for proc in left:
+        proc.kill()
+        proc.join(10)
+    assert not left, f"the test left processes running: {[p.name for p in left]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_at_exit():
+    """Whatever a module fixture left running is killed before pytest exits (see above)."""
+    yield
+    for proc in multiprocessing.active_children():
+        print(f"killing {proc.name} (pid {proc.pid}), left running by the tests")
+        proc.kill()
+        proc.join(10)

@@ -107,8 +107,12 @@ def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
             state.record(rec)
         assert len(state.snapshot()["edges"]) == 2
     finally:
-        BlockingPublisher(front).send(Control(SCHEMA_VERSION, "stop"))
+        stopper = BlockingPublisher(front)
+        stopper.send(Control(SCHEMA_VERSION, "stop"))
+        stopper.flush()  # send buffers: without this the stop never left, and the broker outlived pytest
         proc.join(20)
+        stopper.close(sync_timeout=None)
+        assert proc.exitcode == 0, "the broker did not stop on its Control stop"
 
 
 # --- bad input: one sentence on stderr, exit 2 ---

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -32,6 +33,12 @@ def _watch_parent(parent_pid: int) -> None:
 def actor_main(entry: str, payload: bytes, parent_pid: int, threads: int) -> None:
     """Child-process entry: ``entry`` is "module:function" taking the payload bytes; a coroutine
     function runs on uvloop, a plain function runs as is."""
+    # Ctrl-C (SIGINT) goes to the whole process group, and so does a scheduler's SIGTERM: the
+    # coordinator decides when and how we stop (it halts us by message, SIGKILL as the last resort).
+    # `spawn` started us with both blocked, so one that came while Python started up is dropped here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     import inspect
 
     import torch
@@ -39,10 +46,6 @@ def actor_main(entry: str, payload: bytes, parent_pid: int, threads: int) -> Non
 
     torch.set_num_threads(threads)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    # Ctrl-C (SIGINT) goes to the whole process group, and so does a scheduler's SIGTERM: the
-    # coordinator decides when and how we stop (it halts us by message, SIGKILL as the last resort).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     module_name, func_name = entry.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:
@@ -80,7 +83,13 @@ class Actor:
 
 def spawn(name: str, entry: str, payload: bytes, threads: int = 1) -> Actor:
     proc = _CTX.Process(target=actor_main, args=(entry, payload, os.getpid(), threads), name=name, daemon=False)
-    proc.start()
+    # The child inherits this mask: a Ctrl-C while it imports would otherwise print a KeyboardInterrupt
+    # traceback from Python's start-up. Ours is restored at once; a signal that came meanwhile is delivered then.
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return Actor(name=name, process=proc)
 
 
