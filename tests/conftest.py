@@ -21,11 +21,12 @@ def engine_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
-    """A test that leaves a multiprocessing child running fails, and the child is killed: at exit
-    multiprocessing joins every child, so one left alive would hang pytest (and CI) for good."""
+    """A test that leaves a non-daemon multiprocessing child running fails, and the child is killed: at
+    exit multiprocessing joins every such child, so one left alive would hang pytest (and CI) for good.
+    (Daemon children, e.g. the math-verify server kept for reuse, are terminated at exit instead.)"""
     before = set(multiprocessing.active_children())
     yield
-    left = [p for p in multiprocessing.active_children() if p not in before]
+    left = [p for p in multiprocessing.active_children() if p not in before and not p.daemon]
     for proc in left:
         proc.kill()
         proc.join(10)
@@ -36,7 +37,7 @@ def no_process_left_behind():
 def no_process_at_exit():
     """Whatever a module fixture left running is killed before pytest exits (see above)."""
     yield
-    for proc in multiprocessing.active_children():
+    for proc in (p for p in multiprocessing.active_children() if not p.daemon):
         print(f"killing {proc.name} (pid {proc.pid}), left running by the tests")
         proc.kill()
         proc.join(10)
