@@ -68,11 +68,26 @@ def preflight(cfg) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    _start_actor_server()
     opened = open_run(args)
     if opened is None:
+        _stop_actor_server()
         return 2
     cfg, run_dir = opened
     return train(cfg, run_dir)
+
+
+def _start_actor_server() -> None:
+    """The actors' fork server loads torch while this process loads the config (two cores, not one)."""
+    from engine.runtime import actors
+
+    actors.start_server()
+
+
+def _stop_actor_server() -> None:
+    from engine.runtime import actors
+
+    actors.stop_server()
 
 
 def train(cfg, run_dir, resume: bool = False) -> int:
@@ -110,15 +125,17 @@ def resume_command(args: argparse.Namespace) -> int:
     """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
     from pathlib import Path
 
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
+        print(f"error: {run_dir}: not a run directory (no config.toml)", file=sys.stderr)
+        return 2
+    _start_actor_server()
     from engine.config import ConfigError, load_run_config
     from engine.runtime.metrics import MetricsWriter
     from engine.runtime.rundir import write_resolved_config
     from engine.train import checkpoint
 
-    run_dir = Path(args.run_dir)
     try:
-        if not (run_dir / "config.toml").is_file():
-            raise ConfigError(f"{run_dir}: not a run directory (no config.toml)")
         for o in args.overrides:
             key = o.split("=", 1)[0].strip()
             if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE):
@@ -128,10 +145,12 @@ def resume_command(args: argparse.Namespace) -> int:
         preflight(cfg)
     except (ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        _stop_actor_server()
         return 2
     steps = {m: checkpoint.read_state(p)["step"] for m in cfg.names if (p := checkpoint.latest(run_dir, m))}
     if len(steps) == len(cfg.names) and min(steps.values()) >= cfg.train.steps:
         print(f"error: {run_dir}: every model has its {cfg.train.steps} steps; nothing to resume", file=sys.stderr)
+        _stop_actor_server()
         return 2
     before = {name.lower(): (run_dir / name).read_text().strip() for name in ("FAILED", "INTERRUPTED")
               if (run_dir / name).is_file()}

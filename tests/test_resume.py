@@ -1,8 +1,8 @@
 """Stop or kill a run, `launch.py resume` it: it ends where an uninterrupted run ends, nothing lost or trained twice.
 
-The proof is the prompt ids each learner trained on (every step record lists them): the
-steps up to each model's checkpoint in the first session, then every step of the resumed
-one, must hold every prompt of the run exactly once. The experience log audit
+The proof is the prompt ids each learner trained on (every step record lists them): walking the
+records in order, each resume goes back to the step of the checkpoint it started from, and the
+surviving lineage must hold every prompt of the run exactly once. The experience log audit
 (``run_result.json``) must say 0 lost and 0 duplicated.
 """
 
@@ -25,34 +25,35 @@ from tests.enginerun import ROOT, Run
 STEPS, Q = 8, 8  # smoke.toml: 8 prompts a step
 
 
-def _lineage(records: list[dict], model: str) -> list[int]:
-    """Prompts trained by ``model``'s surviving lineage: steps before its resume point, then the resumed run."""
-    cut = next((i for i, r in enumerate(records) if r.get("event") == "resumed"), None)
-    if cut is None:  # restarted inside the run: the learner's own resume record is the cut
-        cut = next((i for i, r in enumerate(records) if r.get("event") == "resume" and r["model"] == model), 0)
-    point = next((r["step"] for r in records[cut:] if r.get("event") == "resume" and model in (r["model"],
-                  r.get("gen_model"))), STEPS)
-    before = [r for r in records[:cut] if r.get("event") == "step" and r["model"] == model and r["step"] <= point]
-    after = [r for r in records[cut:] if r.get("event") == "step" and r["model"] == model]
-    assert [r["step"] for r in before + after] == list(range(1, STEPS + 1)), (model, point)
-    return [p for r in before + after for p in r["prompts"]]
+def _lineage(records: list[dict], model: str, steps: int = STEPS) -> list[int]:
+    """Prompts trained by ``model``'s surviving lineage, in step order: each resume (of the launcher, or of
+    a learner restarted inside the run) goes back to its checkpoint's step, and what came after it is gone."""
+    trained: dict[int, list[int]] = {}
+    for r in records:
+        if r.get("event") == "resume" and model in (r.get("model"), r.get("gen_model")):
+            trained = {step: prompts for step, prompts in trained.items() if step <= r["step"]}
+        elif r.get("event") == "step" and r["model"] == model:
+            assert r["step"] not in trained, f"{model}: step {r['step']} taken twice in one lineage"
+            trained[r["step"]] = r["prompts"]
+    assert sorted(trained) == list(range(1, steps + 1)), (model, sorted(trained))
+    return [p for step in sorted(trained) for p in trained[step]]
 
 
-def _check_every_prompt_once(run: Run) -> None:
+def _check_every_prompt_once(run: Run, steps: int = STEPS) -> None:
     """Every step was taken, the audit is clean, and each model's lineage trained every prompt exactly once."""
     result = run.result()
-    assert result["steps"] == {"gpt2": STEPS, "llama": STEPS}
+    assert result["steps"] == {"gpt2": steps, "llama": steps}
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
     records = run.records()
     for model in ("gpt2", "llama"):
-        trained = _lineage(records, model)
+        trained = _lineage(records, model, steps)
         print(f"{model}: {len(trained)} prompts trained, {len(set(trained))} distinct; audit {result['audit']}")
-        assert sorted(trained) == list(range(STEPS * Q)), f"{model}: a prompt skipped or trained twice"
+        assert sorted(trained) == list(range(steps * Q)), f"{model}: a prompt skipped or trained twice"
 
 
-def _check_resumed(run: Run) -> None:
+def _check_resumed(run: Run, steps: int = STEPS) -> None:
     assert run.finish() == 0, run.out[-3000:]
-    _check_every_prompt_once(run)
+    _check_every_prompt_once(run, steps)
     assert not (run.run_dir / "FAILED").exists() and not (run.run_dir / "INTERRUPTED").exists()
     assert run.leftover() == []
     report = (run.run_dir / "report.md").read_text()  # every run ends with its report, covering both sessions
@@ -60,40 +61,50 @@ def _check_resumed(run: Run) -> None:
     assert all((run.run_dir / name).is_file() for name in ("accuracy.png", "reward.png", "throughput.png"))
 
 
-@pytest.mark.slow
-def test_a_killed_launcher_resumes_from_its_checkpoints_and_the_log(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}", "run.checkpoint_every=2")
-    run.wait_for(lambda: all(any("checkpoint" in r for r in run.steps(m)) and len(run.steps(m)) >= 3
-                             for m in ("gpt2", "llama")), "a checkpoint and 3 steps of each model", timeout=900)
-    run.track()
-    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher only: its workers must notice and leave on their own
-    run.finish()
-    assert run.leftover() == [], "a killed launcher left processes behind"
-    orphans = glob.glob(f"/dev/shm/mutual-rl-{run.run_dir.name}-*")  # the killed coordinator's weight channels
-    resumed = Run(run.run_dir, None)
-    _check_resumed(resumed)
-    assert "[resume] gpt2: from step" in resumed.out and "logged samples to replay" in resumed.out
-    assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
+def _session(records: list[dict], n: int) -> list[dict]:
+    """The records of the n-th session of a run (0: the first; each ``launch.py resume`` starts one)."""
+    cuts = [0] + [i for i, r in enumerate(records) if r.get("event") == "resumed"] + [len(records)]
+    return records[cuts[n]:cuts[n + 1]] if n + 1 < len(cuts) else []
 
 
 @pytest.mark.slow
-def test_a_stopped_run_resumes_where_it_stopped(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}", "run.checkpoint_every=0")
+def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tmp_path, engine_cache):
+    """SIGTERM at step 3 (the launcher stops with checkpoints), resume, SIGKILL of the launcher alone
+    after a new checkpoint (its workers must notice and leave on their own), resume again: the run ends
+    where an uninterrupted one ends. Then the finished run, resumed with more steps, trains only the new prompts."""
+    steps = 2 * STEPS  # room to kill the second session after its first checkpoint (step 4) and before its end
+    run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=2")
     run.wait_steps(3, "llama", timeout=900)
     run.signal(signal.SIGTERM)
     assert run.finish() == 143, run.out[-3000:]
     stopped = {r["model"]: r["step"] for r in run.events("final")}
-    resumed = Run(run.run_dir, None)
-    _check_resumed(resumed)
-    records = resumed.records()
-    assert {r["gen_model"]: r["step"] for r in records if r.get("event") == "resume" and "gen_model" in r} == stopped
-    assert any(r.get("event") == "resumed" and "SIGTERM" in json.dumps(r) for r in records)
-    longer = Run(run.run_dir, None, f"train.steps={STEPS + 2}")  # a finished run, resumed to train longer
+
+    second = Run(run.run_dir, None)
+    second.wait_for(lambda: all(
+        any("checkpoint" in r and r["step"] > stopped[m] for r in _session(second.records(), 1)
+            if r.get("event") == "step" and r["model"] == m) for m in ("gpt2", "llama")),
+        "a checkpoint of each model after the resume", timeout=900)
+    resumes = [r for r in _session(second.records(), 1) if r.get("event") == "resume" and "gen_model" in r]
+    assert {r["gen_model"]: r["step"] for r in resumes} == stopped  # each model went on from where it stopped
+    assert any(r.get("event") == "resumed" and "SIGTERM" in json.dumps(r) for r in second.records())
+    second.track()
+    os.kill(second.proc.pid, signal.SIGKILL)
+    second.finish()
+    assert second.leftover() == [], "a killed launcher left processes behind"
+    orphans = glob.glob(f"/dev/shm/mutual-rl-{run.run_dir.name}-*")  # the killed coordinator's weight channels
+
+    third = Run(run.run_dir, None)
+    _check_resumed(third, steps)
+    assert "[resume] gpt2: from step" in third.out and "logged samples to replay" in third.out
+    assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
+
+    records = third.records()
+    longer = Run(run.run_dir, None, f"train.steps={steps + 2}")  # a finished run, resumed to train longer
     assert longer.finish() == 0, longer.out[-3000:]
-    assert longer.result()["steps"] == {"gpt2": STEPS + 2, "llama": STEPS + 2}
+    assert longer.result()["steps"] == {"gpt2": steps + 2, "llama": steps + 2}
     assert longer.result()["audit"]["lost"] == 0 and longer.result()["audit"]["duplicates"] == 0
     extra = [r for r in longer.records()[len(records):] if r.get("event") == "step" and r["model"] == "gpt2"]
-    assert sorted(p for r in extra for p in r["prompts"]) == list(range(STEPS * Q, (STEPS + 2) * Q))
+    assert sorted(p for r in extra for p in r["prompts"]) == list(range(steps * Q, (steps + 2) * Q))
 
 
 @pytest.mark.slow
@@ -106,8 +117,7 @@ def test_a_dead_last_learner_restarts_from_its_checkpoint_inside_the_run(tmp_pat
     assert "[run] w3 (learner of llama) exited with code -9: w4 restarts llama's learner from its step-" in run.out
     restart = run.events("learner_restart")
     assert [(r["gen_model"], r["worker"], r["attempt"], r["backoff_s"]) for r in restart] == [("llama", "w4", 1, 1.0)]
-    records = run.records()
-    trained = _lineage(records, "llama")
+    trained = _lineage(run.records(), "llama")
     assert sorted(trained) == list(range(STEPS * Q)), "llama: a prompt skipped or trained twice across the restart"
     result = run.result()
     assert result["steps"] == {"gpt2": STEPS, "llama": STEPS} and result["respawned"] == ["w4"]

@@ -1,51 +1,108 @@
 """Process runtime for actors: spawn, watch, stop; no orphans, no hangs.
 
-Every actor is a spawned process (torch.multiprocessing, ``spawn`` start method)
-running ``actor_main(entry, payload)``: it pins torch to its thread budget, starts
-a watchdog thread that ends the process if the coordinator disappears (so a killed
+Every actor is a process forked from a fork server (multiprocessing, ``forkserver``
+start method) running ``actor_main(entry, payload)``: it pins torch to its thread budget,
+starts a watchdog thread that ends the process if the coordinator disappears (so a killed
 coordinator leaves no orphans), and runs the actor's coroutine on uvloop. Signals meant
 for the process group are ignored: the coordinator stops its actors by message.
+
+Why a fork server: importing torch, transformers and our roles costs a process about 6 s of
+CPU. The server pays that once per launcher, and every actor is a fork of it that starts at
+once (``spawn`` made the broker, four workers and two warm-start processes pay it in parallel,
+which on two cores was most of a short run's wall time). The server is single-threaded and
+never touches a device, so forking it is safe; it leaves when its launcher does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
+import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 
-import torch.multiprocessing as mp
-
-_CTX = mp.get_context("spawn")
+_CTX = mp.get_context("forkserver")
+# What every actor imports: loaded once, in the fork server (an import that fails there is only skipped).
+_CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engine.runtime.hub", "uvloop"])
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def start_server() -> None:
+    """Start the fork server now (it loads torch and the roles in the background, beside whatever
+    this process does next); the first ``spawn`` otherwise starts it and waits for it.
+
+    The server and every fork of it ignore SIGINT and SIGTERM from birth (an ignored disposition
+    survives fork and exec): a Ctrl-C or a scheduler's SIGTERM to the process group is the
+    coordinator's to handle, and a server killed by one would take every actor with it."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    try:  # a stop signal in these few milliseconds is dropped: the server is started once per process
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_server() -> None:
+    """Stop the fork server at once (a command that failed before it started any actor): left alone it
+    would finish loading torch before it noticed us gone, holding the terminal's pipes open meanwhile."""
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)  # it ignores SIGTERM (see ``start_server``)
+        server._stop()  # closes the life line, reaps it, removes its socket
+
+
+def _let_the_server_go() -> None:
+    """Close our copy of the fork server's life line. multiprocessing hands every fork the write end
+    of the pipe whose EOF tells the server that its launcher is gone: while we held it, a killed
+    launcher would leave the server waiting on us and us (see ``_watch_parent``) watching the server."""
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None  # an actor that starts actors gets a server of its own
+
+
+def _show_name() -> None:
+    """Name the process after its actor (``mrl-w0``, ``mrl-broker``) for top and ps -o comm: every fork of
+    the server otherwise shows the server's command line."""
+    name = f"mrl-{mp.current_process().name}"[:15].encode()  # the kernel keeps 15 bytes
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # 15: PR_SET_NAME (Linux)
 
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
-            os._exit(3)  # the coordinator died: leave at once, nobody will stop us
+            os._exit(3)  # the coordinator died (and with it the fork server, our parent): leave at once
 
 
-def actor_main(entry: str, payload: bytes, parent_pid: int, threads: int) -> None:
+def actor_main(entry: str, payload: bytes, threads: int) -> None:
     """Child-process entry: ``entry`` is "module:function" taking the payload bytes; a coroutine
     function runs on uvloop, a plain function runs as is."""
     # Ctrl-C (SIGINT) goes to the whole process group, and so does a scheduler's SIGTERM: the
     # coordinator decides when and how we stop (it halts us by message, SIGKILL as the last resort).
-    # `spawn` started us with both blocked, so one that came while Python started up is dropped here.
+    # The fork server gave us both ignored already (see ``start_server``); this says so where it matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    _let_the_server_go()
+    _show_name()
     import inspect
 
     import torch
     import uvloop
 
     torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     module_name, func_name = entry.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:
@@ -82,14 +139,9 @@ class Actor:
 
 
 def spawn(name: str, entry: str, payload: bytes, threads: int = 1) -> Actor:
-    proc = _CTX.Process(target=actor_main, args=(entry, payload, os.getpid(), threads), name=name, daemon=False)
-    # The child inherits this mask: a Ctrl-C while it imports would otherwise print a KeyboardInterrupt
-    # traceback from Python's start-up. Ours is restored at once; a signal that came meanwhile is delivered then.
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        proc.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    proc = _CTX.Process(target=actor_main, args=(entry, payload, threads), name=name, daemon=False)
+    start_server()
+    proc.start()
     return Actor(name=name, process=proc)
 
 
