@@ -7,6 +7,7 @@ the models' real tokenizers (GPT-2's and Mistral's, as in configs/smoke.toml).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -24,8 +25,13 @@ MODELS = {"gpt2": "gpt2", "llama": "mistral"}
 T0 = 1_800_000_000.0
 
 
+@functools.cache
+def _tokenizer(name: str):
+    return load_tokenizer(name)  # a third of a second each: once per session, not once per sample
+
+
 def experience(model: str, prompt: int, sample: int, version: int, t: float, answer: str, schema=SCHEMA_VERSION):
-    tok = load_tokenizer(MODELS[model])
+    tok = _tokenizer(MODELS[model])
     ids = tok.encode(answer, add_special_tokens=False)
     right = answer.strip() == str(prompt + 1)
     return Experience(schema, "test-run", f"{model}/{prompt}/{sample}/w0", model, "arithmetic", prompt, sample, 4,
