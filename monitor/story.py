@@ -90,7 +90,7 @@ class Storyteller:
 
 def _tokenizers_of(run_dir: Path) -> tuple[dict[str, str], str]:
     """model -> tokenizer name, and the tokenizer cache the run used (``run.cache_dir`` or the default)."""
-    from engine.config import default_cache_root  # the one place the cache's location is decided
+    from engine.cachedir import default_cache_root  # the one place the cache's location is decided (no torch)
 
     try:
         cfg = tomllib.loads((run_dir / "config.toml").read_text())

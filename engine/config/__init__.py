@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import msgspec
 
+from engine.cachedir import default_cache_root
 from engine.config.load import ConfigError, Origin, convert, read_tree
 from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spec
 from engine.config.validate import validate
 from policies.registry import get_objective
 
-__all__ = ["ConfigError", "ModelConfig", "Origin", "RunConfig", "ScriptedMove", "cache_root", "config_from_tree",
+__all__ = ["ConfigError", "ModelConfig", "Origin", "RunConfig", "ScriptedMove", "cache_root", "config_from_tree", "default_cache_root",
            "load_run_config", "model_spec", "tokenizer_cache"]
 
 
@@ -60,13 +60,6 @@ def cache_root(cfg: RunConfig) -> Path:
     if cfg.run.cache_dir:
         return Path(cfg.run.cache_dir).expanduser()
     return default_cache_root()
-
-
-def default_cache_root() -> Path:
-    if os.environ.get("MUTUAL_RL_CACHE"):
-        return Path(os.environ["MUTUAL_RL_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "mutual_rl"
 
 
 def tokenizer_cache(cfg: RunConfig) -> str:
