@@ -54,8 +54,9 @@ from exchange.protocol import (
     Synced,
     Unsubscribe,
 )
-from exchange.security import ClientKeys, apply_client
+from exchange.security import ClientKeys, RefusalWatch, apply_client
 
+REFUSAL_CHECK_S = 0.2  # how often a CURVE client waiting on the broker looks for a refusal of its key
 _tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
 
 
@@ -94,6 +95,7 @@ class Publisher:
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
         apply_client(self._sock, curve)
+        self._watch = None if curve is None else RefusalWatch(self._sock, endpoint)  # a refusal raises KeyRefused
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
         self._buf_bytes = 0
@@ -146,10 +148,19 @@ class Publisher:
             self._unconfirmed_bytes -= len(self._unconfirmed.popleft())
 
     async def flush(self) -> None:
-        """Wait until every buffered message is handed to ZeroMQ (queued, not yet confirmed)."""
+        """Wait until every buffered message is handed to ZeroMQ (queued, not yet confirmed); with CURVE keys,
+        ``KeyRefused`` if the broker refused them."""
         while self._buf or (self._drainer is not None and not self._drainer.done()):
             self._ensure_drainer()
-            await self._drainer
+            if self._watch is None:
+                await self._drainer
+                continue
+            while not self._drainer.done():  # a refused client has no peer: its send would wait for good
+                self._watch.raise_if_refused()
+                await asyncio.wait({self._drainer}, timeout=REFUSAL_CHECK_S)
+            await self._drainer  # its own error, if it had one
+        if self._watch is not None:
+            self._watch.raise_if_refused()
 
     async def sync(self, timeout: float = 30.0) -> None:
         """Wait until the broker confirms it processed everything sent so far; ``TimeoutError`` if not."""
@@ -168,7 +179,11 @@ class Publisher:
                     await self._sock.send(frame, copy=False)
                 self.resent += covered
                 resend_at = now + self.resend_every_s
-            if not await self._sock.poll(int((min(deadline, resend_at) - now) * 1000) + 1, zmq.POLLIN):
+            wait_s = min(deadline, resend_at) - now
+            if self._watch is not None:
+                self._watch.raise_if_refused()
+                wait_s = min(wait_s, REFUSAL_CHECK_S)
+            if not await self._sock.poll(int(wait_s * 1000) + 1, zmq.POLLIN):
                 continue
             frame = self._decoder.decode_frame(await self._sock.recv())
             if any(m.token == token for m in frame.messages):
@@ -186,6 +201,8 @@ class Publisher:
         """Close now; anything not yet confirmed by ``sync`` may be lost."""
         if self._drainer is not None and not self._drainer.done():
             self._drainer.cancel()
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
 
 
@@ -207,6 +224,7 @@ class BlockingPublisher:
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
         apply_client(self._sock, curve)
+        self._watch = None if curve is None else RefusalWatch(self._sock, endpoint)
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
 
@@ -216,9 +234,16 @@ class BlockingPublisher:
             self.flush()
 
     def flush(self) -> None:
-        if self._buf:
-            self._sock.send(Encoder.frame(self._buf), copy=False)
-            self._buf = []
+        """Hand the buffer to ZeroMQ (blocks at the high-water mark); with CURVE keys, ``KeyRefused`` if the
+        broker refused them."""
+        if not self._buf:
+            return
+        frame = Encoder.frame(self._buf)
+        if self._watch is not None:
+            while not self._sock.poll(int(REFUSAL_CHECK_S * 1000), zmq.POLLOUT):  # no peer, or a full queue
+                self._watch.raise_if_refused()
+        self._sock.send(frame, copy=False)
+        self._buf = []
 
     def sync(self, timeout: float = 30.0) -> None:
         """Block until the broker confirms everything sent so far; ``TimeoutError`` if it does not."""
@@ -226,8 +251,12 @@ class BlockingPublisher:
         self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))
         self.flush()
         deadline = time.monotonic() + timeout
-        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0 and self._sock.poll(left_ms, zmq.POLLIN):
-            if any(m.token == token for m in self._decoder.decode_frame(self._sock.recv()).messages):
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if self._watch is not None:
+                self._watch.raise_if_refused()
+                left_ms = min(left_ms, int(REFUSAL_CHECK_S * 1000))
+            if self._sock.poll(left_ms, zmq.POLLIN) and any(
+                    m.token == token for m in self._decoder.decode_frame(self._sock.recv()).messages):
                 return
         raise TimeoutError(f"the broker at {self.endpoint} did not confirm within {timeout:g} s")
 
@@ -237,6 +266,8 @@ class BlockingPublisher:
             if sync_timeout is not None:
                 self.sync(sync_timeout)
         finally:
+            if self._watch is not None:
+                self._watch.close()
             self._sock.close(linger=0)
 
 

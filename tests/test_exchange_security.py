@@ -16,8 +16,8 @@ import zmq.asyncio
 from exchange.broker import BrokerConfig, ConfigError, spawn_broker
 from exchange.protocol import Experience
 from exchange.samples import make_experience
-from exchange.security import ClientKeys, make_keys
-from exchange.transport import Publisher, Subscriber
+from exchange.security import ClientKeys, KeyRefused, make_keys
+from exchange.transport import BlockingPublisher, Publisher, Subscriber
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -65,10 +65,13 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
         mallory = Publisher(front, curve=keys["mallory"], context=ctx)
         for i in range(5):
             await mallory.send(make_experience(i, "evil"))
-        try:  # once the broker has refused its handshake, mallory's socket has no peer to queue to: its send waits
-            await asyncio.wait_for(mallory.flush(), 3)
-        except (TimeoutError, asyncio.TimeoutError):
-            pass
+        with pytest.raises(KeyRefused, match="refused this client's CURVE handshake"):  # an error, not a hang
+            await asyncio.wait_for(mallory.sync(timeout=60), 30)  # ... long before its own time-out
+        blocking = BlockingPublisher(front, curve=keys["mallory"])  # the same, for code without an event loop
+        blocking.send(make_experience(0, "evil"))
+        with pytest.raises(KeyRefused):
+            await asyncio.wait_for(asyncio.to_thread(blocking.sync, 60), 30)
+        blocking.close(sync_timeout=None)
         alice = Publisher(front, curve=keys["alice"], context=ctx)
         for i in range(20):
             await alice.send(make_experience(i, "gpt2"))
