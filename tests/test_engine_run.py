@@ -154,7 +154,8 @@ def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_ca
     assert "[run] w3 (learner of gpt2) exited with code -9: its group re-forms with w2" in run.out
     result = run.result()
     gpt2 = [f for f in result["formations"] if f["model"] == "gpt2"]
-    assert sorted(gpt2[0]["digests"]) == ["w2", "w3"] and sorted(gpt2[1]["digests"]) == ["w2"]
+    assert sorted(gpt2[0]["digests"]) == ["w2", "w3"]
+    assert "w2" in gpt2[1]["digests"] and "w3" not in gpt2[1]["digests"]  # a fresh worker may join it (forks start fast)
     assert all(len(set(f["digests"].values())) == 1 for f in result["formations"])  # every rank: rank 0's state
     assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
     assert run.leftover() == []
