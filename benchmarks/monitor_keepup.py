@@ -1,131 +1,151 @@
-"""Does the monitor stay live at the exchange's full rate? It may sample; it must say how much it shows.
+"""Does the monitor keep up with the exchange at its full rate, without slowing it? It may sample; it says how much.
 
-A broker process and two publisher processes (``benchmarks.exchange``'s realistic experiences:
-256-token completions with log-probs) push as fast as they can for ``--seconds``; the monitor's
-own subscriber (lossy, the one ``launch.py monitor`` uses) feeds a ``LiveState`` in this process,
-whose snapshot is built every 0.5 s as for an open page. Reported: the exchange's rate (the
-broker's accepted count), the monitor's (messages aggregated), the share it shows and the
-broker's count of what it dropped for the monitor, and liveness: the lag between a snapshot and
-the newest experience it holds (median and max over the run). Peer in the same run: the same
-subscriber with nothing behind it (decode only), the most any monitor could take in.
+The exchange of ``benchmarks.exchange`` (a publisher sending N realistic experiences as fast as it
+can, 256-token completions with log-probs, stamped as a generator stamps them; a broker logging
+to disk; a lossless subscriber taking all N, as a learner does) runs in rounds without and with a
+monitor attached: a fourth process, at the monitor's niceness, with the monitor's own lossy,
+rate-capped subscription feeding a ``LiveState``, whose page snapshot is built and serialised
+every 0.5 s as for an open page. Reported: the exchange's rate alone and with the monitor (N /
+time from the first send to the N-th message received; medians over rounds, rounds alternate),
+their ratio, and for the monitor: the share of the exchange it showed (the broker's count of what
+it dropped or sampled out for it) and liveness, the lag between a snapshot and the newest
+experience it holds while the exchange runs (median and max).
 
-    python -m benchmarks.monitor_keepup [--seconds 10]
+    python -m benchmarks.monitor_keepup [--messages 100000] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
+from benchmarks.exchange import _exchange_subscriber, _timed, _uvloop_run
 from exchange.samples import make_experiences
 
-PUBLISHERS = 2
+RATE_BAR = 0.9  # the exchange with a monitor attached, against the same exchange alone
+LIVE_BAR_S = 2.0  # the newest experience a snapshot shows is at most this old while the exchange runs
 
 
-def _publish(endpoint: str, seconds: float, go) -> None:
-    import uvloop
-
+def _publisher(endpoint: str, n: int, go, results) -> None:
     from exchange.transport import Publisher
 
-    msgs = make_experiences(2000)
+    msgs = make_experiences(n)
 
     async def main() -> None:
         pub = Publisher(endpoint)
         go.wait()
-        end = time.time() + seconds
-        while time.time() < end:
-            for msg in msgs:
-                msg.generated_at = time.time()  # what a generator stamps: the monitor's lag is measured from it
-                await pub.send(msg)
+        results.put(("start", time.monotonic(), 0))
+        for msg in msgs:
+            msg.generated_at = time.time()  # a generator's stamp: the monitor's lag is measured from it
+            await pub.send(msg)
         await pub.aclose()
 
-    uvloop.run(main())
+    _uvloop_run(main())
 
 
-async def _watch(backend: str, seconds: float, aggregate: bool) -> dict:
+def _monitor(backend: str, stop, out) -> None:
+    """The monitor's subscription and aggregation, as ``launch.py monitor`` runs them (niced alike)."""
+    import asyncio
     from pathlib import Path
 
+    from monitor.cli import MONITOR_NICE
     from monitor.live import LiveState
     from monitor.sources import Attached
 
-    state = LiveState()
-    attached = Attached(backend, Path("."))
-    await attached.ready(10)
-    if aggregate:
+    os.nice(MONITOR_NICE)
+
+    async def main() -> None:
+        state = LiveState()
+        attached = Attached(backend, Path("."))
+        await attached.ready(30)
+        out.put(("ready", 0.0, 0.0))
         feeding = asyncio.create_task(attached.feed(state))
-    else:
-        async def drain() -> None:
-            while True:
-                state.received += len(await attached.sub.recv_batch(4096))
-        feeding = asyncio.create_task(drain())
-    lags, started = [], time.time()
-    while time.time() - started < seconds + 1:
-        await asyncio.sleep(0.5)
-        if aggregate:
-            state.snapshot()
-            if state.received:
-                lags.append(time.time() - state.newest_sample_at)
-    feeding.cancel()
-    attached.close()
-    return {"received": state.received, "missed": state.missed, "broker": state.broker, "lags": lags,
-            "shown": state.shown()}
+        ticks = []
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+            json.dumps(state.snapshot(), separators=(",", ":"))  # what an open page costs each tick
+            ticks.append((time.time(), state.newest_sample_at))
+        await asyncio.sleep(1.5)  # the broker's last Stats (what it dropped for us) arrive
+        feeding.cancel()
+        attached.close()
+        out.put(("done", state.received, state.missed, ticks))
+
+    _uvloop_run(main())
 
 
-def measure(seconds: float, aggregate: bool) -> dict:
+def one_round(n: int, watched: bool) -> dict:
     from exchange.broker import BrokerConfig, run_broker
 
     tmp = tempfile.mkdtemp(prefix="monitor-keepup-")
     ctx = mp.get_context("spawn")
-    cfg = BrokerConfig(frontend=f"ipc://{tmp}/front", backend=f"ipc://{tmp}/back", drain_timeout_s=1.0,
-                       stats_interval_s=0.5)
-    go = ctx.Event()
-    broker = ctx.Process(target=run_broker, args=(cfg,))
-    pubs = [ctx.Process(target=_publish, args=(cfg.frontend, seconds, go)) for _ in range(PUBLISHERS)]
+    cfg = BrokerConfig(frontend=f"ipc://{tmp}/front", backend=f"ipc://{tmp}/back", log_dir=f"{tmp}/log",
+                       drain_timeout_s=1.0, stats_interval_s=0.5)
+    ready, go, results, stop, watch_out = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=run_broker, args=(cfg,)),
+             ctx.Process(target=_exchange_subscriber, args=(cfg.backend, n, ready, results)),
+             ctx.Process(target=_publisher, args=(cfg.frontend, n, go, results))]
+    if watched:
+        procs.append(ctx.Process(target=_monitor, args=(cfg.backend, stop, watch_out)))
     try:
-        broker.start()
-        for p in pubs:
+        for p in procs:
             p.start()
-        time.sleep(3)  # publishers build their messages
-
-        async def both() -> dict:
-            watching = asyncio.create_task(_watch(cfg.backend, seconds, aggregate))
-            await asyncio.sleep(1)
-            go.set()
-            return await watching
-
-        out = asyncio.run(both())
+        if not ready.wait(60) or (watched and watch_out.get(timeout=60)[0] != "ready"):
+            raise RuntimeError("a benchmark subscriber never became ready")
+        started = time.time()
+        rate = _timed(go, results, n)
+        ended = time.time()
+        stop.set()
+        if not watched:
+            return {"exchange_per_s": rate}
+        _, received, missed, ticks = watch_out.get(timeout=60)
+        lags = [t - newest for t, newest in ticks if started + 1.0 < t <= ended and newest]
+        return {"exchange_per_s": rate, "shown": received / max(received + missed, 1), "received": received,
+                "missed": missed, "lags": lags}
     finally:
-        for p in pubs:
-            p.join(30)
-        broker.terminate()
-        broker.join(10)
+        for p in reversed(procs):
+            p.join(10) if p is not procs[0] else None
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    accepted = out["broker"].get("accepted", 0)
-    return {"exchange_per_s": round(accepted / seconds), "monitor_per_s": round(out["received"] / seconds),
-            "shown": round(out["shown"], 3), "missed": out["missed"],
-            "lag_median_s": round(statistics.median(out["lags"]), 2) if out["lags"] else None,
-            "lag_max_s": round(max(out["lags"]), 2) if out["lags"] else None}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.monitor_keepup", description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=100_000, help="experiences per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per side (they alternate)")
     args = parser.parse_args(argv)
-    monitor = measure(args.seconds, aggregate=True)
-    print(f"monitor: exchange {monitor['exchange_per_s']}/s, aggregated {monitor['monitor_per_s']}/s, "
-          f"shows {100 * monitor['shown']:.1f}% (broker dropped {monitor['missed']} for it), "
-          f"lag median {monitor['lag_median_s']} s, max {monitor['lag_max_s']} s", flush=True)
-    bare = measure(args.seconds, aggregate=False)
-    print(f"peer (decode only): took {bare['monitor_per_s']}/s", flush=True)
-    print(json.dumps({"monitor": monitor, "decode_only_peer_per_s": bare["monitor_per_s"],
-                      "live": monitor["lag_max_s"] is not None and monitor["lag_max_s"] < 2.0}))
+    load_before = os.getloadavg()[0]
+    alone, watched = [], []
+    for r in range(args.rounds):
+        alone.append(one_round(args.messages, watched=False))
+        watched.append(one_round(args.messages, watched=True))
+        w = watched[-1]
+        print(f"round {r + 1}/{args.rounds}: exchange alone {alone[-1]['exchange_per_s']:,.0f}/s, with a monitor "
+              f"{w['exchange_per_s']:,.0f}/s; the monitor showed {100 * w['shown']:.1f}% ({w['received']:,} "
+              f"aggregated, {w['missed']:,} dropped or sampled out for it), lag max "
+              f"{max(w['lags'], default=float('nan')):.2f} s", flush=True)
+    alone_rate = statistics.median(x["exchange_per_s"] for x in alone)
+    with_rate = statistics.median(x["exchange_per_s"] for x in watched)
+    lags = [lag for w in watched for lag in w["lags"]]
+    ratio = with_rate / alone_rate
+    live = bool(lags) and max(lags) < LIVE_BAR_S
+    print(json.dumps({"messages": args.messages, "rounds": args.rounds, "load_before": round(load_before, 2),
+                      "exchange_alone_per_s": round(alone_rate), "exchange_with_monitor_per_s": round(with_rate),
+                      "ratio": round(ratio, 3), "ratio_bar": RATE_BAR,
+                      "monitor_shown": round(statistics.median(w["shown"] for w in watched), 4),
+                      "monitor_aggregated_per_s": round(statistics.median(
+                          w["received"] * w["exchange_per_s"] / args.messages for w in watched)),
+                      "lag_median_s": round(statistics.median(lags), 2) if lags else None,
+                      "lag_max_s": round(max(lags), 2) if lags else None, "lag_bar_s": LIVE_BAR_S,
+                      "live": live, "passes": ratio >= RATE_BAR and live}))
     return 0
 
 

@@ -18,7 +18,10 @@ is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
 - Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
   backlog here, bounded by ``backlog_messages``. Lossless subscribers over the bound
   pause the frontend (publishers then wait at their high-water mark: back-pressure,
-  not loss); lossy ones lose what does not fit, counted in ``dropped_total``. Every
+  not loss); lossy ones lose what does not fit, counted in ``dropped_total``. A lossy one
+  may ask for a sample (``Subscribe.max_rate``: at most that many experiences/s, whole frames
+  of experiences dropped past it, counted the same way): a monitor at the exchange's full
+  rate then costs the broker and itself a bounded amount. Every
   backlog is visible in ``Stats.subscriber_backlog`` (topic ``stats``, every
   ``stats_interval_s``, and once more on the way out).
 - Stops on ``Control(command="stop")`` with target "*" or its name (forwarded first),
@@ -74,7 +77,20 @@ class _Subscriber:
     backlog: deque = field(default_factory=deque)  # (frame, n_messages), oldest first
     waiting: int = 0  # messages in backlog
     dropped: int = 0
+    max_rate: float = 0.0  # experiences/s this (lossy) subscriber takes: a sample, the rest dropped for it
+    allowance: float = 0.0  # a token bucket of up to one second's worth; it may go into debt by one frame
+    refilled: float = 0.0
     _wants: dict[str, bool] = field(default_factory=dict)
+
+    def over_rate(self, n: int) -> bool:
+        """True if a frame of ``n`` experiences would take this subscriber over its rate (it is then dropped)."""
+        now = time.monotonic()
+        self.allowance = min(self.max_rate, self.allowance + (now - self.refilled) * self.max_rate)
+        self.refilled = now
+        if self.allowance <= 0:
+            return True
+        self.allowance -= n  # a frame larger than a second's worth goes through, and the debt waits it out
+        return False
 
     def wants(self, topic: str) -> bool:
         hit = self._wants.get(topic)
@@ -247,14 +263,32 @@ class Broker:
             self._window.update(topics)
         for sub in list(self._subs.values()):
             if uniform is not None:
-                if sub.wants(uniform):
+                if sub.wants(uniform) and not self._sampled_out(sub, uniform, len(topics)):
                     self._deliver(sub, frame.whole or Encoder.frame(frame.raws), len(topics))
                 continue
             picked = [raw for raw, t in zip(frame.raws, topics) if sub.wants(t)]
+            if sub.max_rate and picked:
+                picked = self._sampled(sub, frame.raws, topics)
             if len(picked) == len(topics) and frame.whole is not None:
                 self._deliver(sub, frame.whole, len(picked))
             elif picked:
                 self._deliver(sub, Encoder.frame(picked), len(picked))
+
+    def _sampled(self, sub: _Subscriber, raws: list, topics: list[str]) -> list:
+        """What a rate-capped subscriber gets of a mixed frame: all it wants, less the experiences when over its rate."""
+        n_exps = sum(t.startswith("exp.") and sub.wants(t) for t in topics)
+        out = self._sampled_out(sub, "exp.", n_exps) if n_exps else False
+        return [raw for raw, t in zip(raws, topics) if sub.wants(t) and not (out and t.startswith("exp."))]
+
+    def _sampled_out(self, sub: _Subscriber, topic: str, n: int) -> bool:
+        """A rate-capped subscriber over its rate loses these ``n`` experiences (counted as dropped for it).
+        Only experiences are sampled, a frame's all at once: stats, assignments and controls always go through."""
+        if not sub.max_rate or not topic.startswith("exp.") or not sub.over_rate(n):
+            return False
+        sub.dropped += n
+        self.dropped += n
+        self._window_dropped += n
+        return True
 
     def _deliver(self, sub: _Subscriber, frame: bytes, n: int) -> None:
         if not sub.backlog and self._send(sub, frame):
@@ -325,6 +359,9 @@ class Broker:
             name = msg.name if msg.name not in taken else f"{msg.name}#{identity.hex()[-6:]}"
             sub = self._subs[identity] = _Subscriber(identity, name, (), msg.lossless)
         sub.prefixes, sub.lossless, sub._wants = tuple(msg.topics), msg.lossless, {}
+        rate = msg.max_rate if not msg.lossless and msg.max_rate > 0 and msg.max_rate != float("inf") else 0.0
+        if rate != sub.max_rate:
+            sub.max_rate, sub.allowance, sub.refilled = rate, rate, time.monotonic()
         ack = Encoder.frame([self._encoder.encode(Subscribed(SCHEMA_VERSION, msg.token))])
         self._deliver(sub, ack, 0)
 

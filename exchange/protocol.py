@@ -167,6 +167,7 @@ class Subscribe(_Message, tag="sub"):
     topics: list[str]  # prefixes; "" means everything
     lossless: bool  # True: a full backlog pauses the publishers; False: excess is dropped and counted
     token: int  # echoed in Subscribed, so a subscriber can match the answer to its request
+    max_rate: float = 0.0  # lossy only: at most this many experiences/s reach it (a sample); the rest count as dropped
 
 
 # broker -> subscriber

@@ -281,6 +281,7 @@ class Subscriber:
         *,
         name: str | None = None,
         lossless: bool = True,
+        max_rate: float = 0.0,  # lossy only: the broker forwards at most this many experiences/s (0: all)
         hwm_frames: int = 64,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         resubscribe_s: float = 2.0,
@@ -291,6 +292,9 @@ class Subscriber:
         self.topics = list(topics)
         self.name = name or f"sub-{os.getpid()}"
         self.lossless = lossless
+        if max_rate and lossless:
+            raise ValueError("max_rate samples what a subscriber gets: only a lossy subscriber may set it")
+        self.max_rate = max_rate
         self.resubscribe_s = resubscribe_s
         self.rejected = 0
         self.last_error: DecodeError | None = None
@@ -311,7 +315,7 @@ class Subscriber:
         self._subscribe()
 
     def _subscribe_frame(self) -> bytes:
-        msg = Subscribe(SCHEMA_VERSION, self.name, self.topics, self.lossless, self._token)
+        msg = Subscribe(SCHEMA_VERSION, self.name, self.topics, self.lossless, self._token, self.max_rate)
         return Encoder.frame([self._encoder.encode(msg)])
 
     def _subscribe(self) -> None:

@@ -99,6 +99,7 @@ class LiveState:
         self.newest_sample_at = 0.0
         self.replay_done = False  # the replay reached its end, or the live run's broker closed
         self.mode = "live"
+        self.sample_cap = 0.0  # experiences/s the broker forwards to this monitor at most (0: no cap)
 
     def _model(self, name: str) -> ModelView:
         view = self.models.get(name)
@@ -150,7 +151,7 @@ class LiveState:
         if st.role == "broker":
             self.broker = {"accepted": st.accepted_total, "dropped": st.dropped_total,
                            "rejected": st.rejected_total, "backlog": dict(st.subscriber_backlog),
-                           "subscriber_dropped": dict(st.subscriber_dropped)}
+                           "subscriber_dropped": dict(st.subscriber_dropped), "topic_rates": dict(st.topic_rates)}
         elif st.worker_id not in self.workers or self.workers[st.worker_id][-1][1:3] != [st.role, st.model]:
             self._role(st.worker_id, st.role, st.model, "reported by the worker", st.time)
 
@@ -230,7 +231,7 @@ class LiveState:
     def snapshot(self) -> dict:
         models = {}
         for name, v in self.models.items():
-            sps, tps = v.rates(self.now)
+            sps, tps = self._rates(name, v)
             models[name] = {"samples": v.samples, "tokens": v.tokens, "samples_per_s": round(sps, 2),
                             "tokens_per_s": round(tps, 1), "reward": v.reward.points, "accuracy": v.accuracy.points,
                             "length": v.length.points, "staleness": v.staleness, "staleness_mean": v.staleness_mean,
@@ -239,8 +240,17 @@ class LiveState:
         return {"run": self.run, "mode": self.mode, "ended": self.replay_done, "now": self.now, "t0": self.t0, "models": models, "edges": self._edges(),
                 "workers": self.workers, "moves": list(self.moves), "decisions_without_move": self.decisions,
                 "events": list(self.events), "received": self.received, "missed": self.missed,
-                "shown": round(self.shown(), 4), "broker": self.broker, "prompts": list(self.prompts)[-40:],
+                "shown": round(self.shown(), 4), "sample_cap": self.sample_cap, "broker": self.broker, "prompts": list(self.prompts)[-40:],
                 "residual_note": RESIDUAL_NOTE}
+
+    def _rates(self, name: str, view: ModelView) -> tuple[float, float]:
+        """(samples/s, tokens/s): counted from what arrived, or, while this monitor misses some, the broker's
+        own rate of the model's topic (tokens/s scaled from the mean length of what arrived)."""
+        sps, tps = view.rates(self.now)
+        exact = (self.broker.get("topic_rates") or {}).get(f"exp.{name}")
+        if not self.missed or exact is None:
+            return sps, tps
+        return exact, (tps / sps * exact if sps else 0.0)
 
     def shown(self) -> float:
         """Share of the exchange's messages this monitor aggregated (the rest the broker dropped for it)."""
@@ -250,7 +260,7 @@ class LiveState:
         names = list(self.models)
         out = []
         for src in names:
-            sps = self.models[src].rates(self.now)[0]
+            sps = self._rates(src, self.models[src])[0]
             for dst in names:
                 if src == dst:
                     continue

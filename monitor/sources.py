@@ -1,7 +1,8 @@
 """Where the monitor's messages come from: a running run's exchange, or a finished run's files.
 
 A running run: the monitor subscribes to the broker's publish side (``endpoints.json``) as a
-*lossy* subscriber, so when it falls behind the broker drops for it (and counts, per
+*lossy* subscriber capped at ``MONITOR_MAX_RATE`` experiences/s, so when it falls behind or the
+exchange runs faster than that the broker drops for it (and counts, per
 subscriber, in its Stats) instead of slowing anyone; metrics.jsonl is tailed from its first
 line. A finished run: its experience log and metrics.jsonl are merged by time and replayed at
 ``speed`` times the original pace (0: as fast as possible), silences cut to ``MAX_SILENCE_S``. Bad input is a ``MonitorError``
@@ -23,6 +24,7 @@ from exchange.protocol import Stats
 from exchange.transport import Subscriber
 from monitor.live import LiveState
 
+MONITOR_MAX_RATE = 2000.0  # experiences/s the broker forwards to a monitor; past it the page shows a sample
 MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
 ENDED = ("run_result.json", "FAILED", "INTERRUPTED")  # a run that wrote one of these is over
 
@@ -137,7 +139,8 @@ class Attached:
     def __init__(self, endpoint: str, run_dir: Path) -> None:
         self.endpoint, self.run_dir = endpoint, run_dir
         self.name = f"monitor-{os.getpid()}"
-        self.sub = Subscriber(endpoint, [""], name=self.name, lossless=False, hwm_frames=16)
+        self.sub = Subscriber(endpoint, [""], name=self.name, lossless=False, hwm_frames=16,
+                              max_rate=MONITOR_MAX_RATE)
 
     async def ready(self, timeout: float) -> None:
         try:
@@ -148,6 +151,7 @@ class Attached:
                                "the run has ended or was killed (replay its files with --replay)") from None
 
     async def feed(self, state: LiveState) -> None:
+        state.sample_cap = MONITOR_MAX_RATE
         while not self.sub.broker_closed:
             for msg in await self.sub.recv_batch(4096):
                 state.take(msg)

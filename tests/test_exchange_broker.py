@@ -150,6 +150,49 @@ def test_a_lossy_subscriber_that_stalls_is_visible_and_its_drops_are_counted(tmp
     assert received + final.dropped_total == n
 
 
+def test_a_rate_capped_subscriber_gets_a_counted_sample_and_every_stats_message(tmp_path):
+    cfg = _config(tmp_path)
+    broker = spawn_broker(cfg)
+    n, rate = 3000, 200.0
+
+    async def drive() -> tuple[list, int, Stats, float]:
+        capped = Subscriber(cfg.backend, ["exp.", "stats"], name="monitor", lossless=False, max_rate=rate)
+        learner = Subscriber(cfg.backend, ["exp."], name="learner")
+        await capped.ready()
+        await learner.ready()
+        started = asyncio.get_running_loop().time()
+        pub = Publisher(cfg.frontend, max_batch=16)
+        for i in range(n):
+            await pub.send(make_experience(i, ("m0", "m1")[i % 2], completion_tokens=32, text_chars=100))
+        await pub.flush()
+        elapsed = asyncio.get_running_loop().time() - started
+        got, taken, final = [], 0, None
+        while taken < n:  # the lossless learner takes everything
+            taken += len(await asyncio.wait_for(learner.recv_batch(), 30))
+        while final is None:
+            for msg in await asyncio.wait_for(capped.recv_batch(), 30):
+                if isinstance(msg, Experience):
+                    got.append(msg)
+                elif isinstance(msg, Stats) and msg.role == "broker" and msg.accepted_total == n \
+                        and len(got) + msg.subscriber_dropped.get("monitor", 0) == n:
+                    final = msg
+        await pub.send(Control(SCHEMA_VERSION, "stop"))
+        await pub.aclose()
+        capped.close()
+        learner.close()
+        return got, taken, final, elapsed
+
+    got, taken, final, elapsed = asyncio.run(drive())
+    broker.join(30)
+    assert broker.exitcode == 0
+    assert taken == n  # the cap is the monitor's alone
+    assert 0 < len(got) < n and len(got) <= rate * (elapsed + 1) + 16  # a second's burst and one frame of debt
+    assert len(got) + final.subscriber_dropped["monitor"] == n  # every experience it did not get is counted
+    assert {e.model for e in got} == {"m0", "m1"}
+    with pytest.raises(ValueError, match="lossy"):
+        Subscriber(cfg.backend, ["exp."], max_rate=10.0)
+
+
 def test_sigterm_stops_the_broker_cleanly_and_keeps_the_log(tmp_path):
     cfg = _config(tmp_path)
     broker = spawn_broker(cfg)

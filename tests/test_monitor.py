@@ -14,7 +14,7 @@ import pytest
 from exchange.broker import BrokerConfig, spawn_broker
 from exchange.codec import Encoder
 from exchange.log import ExperienceLogReader
-from exchange.protocol import SCHEMA_VERSION, Control
+from exchange.protocol import SCHEMA_VERSION, Control, Stats
 from exchange.transport import BlockingPublisher
 from monitor.live import LiveState
 from monitor.sources import Attached, read_records, replay
@@ -54,6 +54,21 @@ def test_series_stay_bounded(tmp_path):
     for k in range(5000):
         state.record({"time": T0 + k, "event": "step", "model": "gpt2", "reward_mean": 0.5, "own_experiences": k})
     assert 700 < len(state.snapshot()["models"]["gpt2"]["reward"]) < 1500
+
+
+def test_a_sampled_view_takes_its_rates_from_the_broker():
+    state = LiveState(["gpt2"])
+    for k in range(40):  # 4 samples/s seen over 10 s, 3 tokens each
+        state.take(experience("gpt2", k, 0, 0, T0 + k / 4, " 42"))
+    seen = state.snapshot()["models"]["gpt2"]
+    state.take(Stats(SCHEMA_VERSION, "broker", "broker", "", T0 + 10, 1.0, topic_rates={"exp.gpt2": 400.0},
+                     subscriber_dropped={"monitor-1": 3960}))
+    state.missed_by("monitor-1")
+    sampled = state.snapshot()
+    assert sampled["shown"] == 0.01 and sampled["models"]["gpt2"]["samples_per_s"] == 400.0
+    assert sampled["models"]["gpt2"]["tokens_per_s"] == pytest.approx(400.0 * seen["tokens_per_s"]
+                                                                      / seen["samples_per_s"])
+    assert sampled["edges"] == []  # one model, no pair
 
 
 def test_story_shows_every_model_with_bridged_tokens(tmp_path):

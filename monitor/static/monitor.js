@@ -165,7 +165,8 @@ $("prompts").addEventListener("click", (ev) => {
 function draw(s) {
   snap = s;
   $("run").textContent = `${s.run} (${s.mode}${s.ended ? ", ended" : ""})`;
-  const missed = s.missed ? `<span class="warn">${s.missed} missed</span>` : "0 missed";
+  const cap = s.sample_cap ? ` (a monitor gets at most ${s.sample_cap} experiences/s; samples/s are the broker's)` : "";
+  const missed = s.missed ? `<span class="warn">${s.missed} missed${cap}</span>` : "0 missed";
   $("status").innerHTML = `${s.received} experiences seen, ${missed}: showing ${fmt(100 * s.shown, 1)}% of the exchange` +
     (s.broker.accepted !== undefined ? ` · broker accepted ${s.broker.accepted}, dropped ${s.broker.dropped}` : "") +
     (s.events.length ? ` · ${esc(s.events[s.events.length - 1].text)}` : "");
