@@ -320,14 +320,13 @@ class Subscriber:
 
     def _subscribe(self) -> None:
         """First hello, from the constructor (no loop needed; the socket has no waiters yet)."""
-        try:
-            zmq.Socket.send(self._sock, self._subscribe_frame(), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self._send_link_now(self._subscribe_frame())
 
-    async def _send_link(self, frame: bytes) -> None:
-        if await self._sock.poll(0, zmq.POLLOUT):  # a broker away for long fills the queue: skip, retry later
-            await self._sock.send(frame)
+    def _send_link_now(self, frame: bytes) -> None:
+        try:
+            zmq.Socket.send(self._sock, frame, zmq.NOBLOCK)
+        except zmq.Again:  # a broker away for long fills the queue: skip, retry later
+            pass
 
     @property
     def is_ready(self) -> bool:
@@ -347,7 +346,7 @@ class Subscriber:
     async def resubscribe(self, timeout: float = 10.0) -> None:
         """Subscribe again now; return once a broker confirmed it (someone must be receiving meanwhile)."""
         self._confirmed.clear()
-        await self._send_link(self._subscribe_frame())
+        self._send_link_now(self._subscribe_frame())
         try:
             await asyncio.wait_for(self._confirmed.wait(), timeout)
         except asyncio.TimeoutError:
@@ -373,10 +372,26 @@ class Subscriber:
         return await self.recv()
 
     async def _fill(self) -> None:
-        """Receive one frame (re-subscribing while idle) and queue its good messages."""
-        while not await self._sock.poll(int(self.resubscribe_s * 1000), zmq.POLLIN):
-            await self._send_link(self._subscribe_frame())
-        frame = self._decoder.decode_frame(await self._sock.recv(copy=True))
+        """Queue the good messages of every frame already here; if none is, wait for one (re-subscribing while idle).
+
+        Frames already received are read without a future each (a poll and a recv future per frame cost more
+        than decoding it): the one await is the wait for the first."""
+        while not self._take_waiting():
+            while not await self._sock.poll(int(self.resubscribe_s * 1000), zmq.POLLIN):
+                self._send_link_now(self._subscribe_frame())
+
+    def _take_waiting(self, max_frames: int = 16) -> int:
+        """Take up to ``max_frames`` frames that have arrived, without waiting; how many there were."""
+        for n in range(max_frames):
+            try:
+                data = zmq.Socket.recv(self._sock, zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return n
+            self._take(data)
+        return max_frames
+
+    def _take(self, data: bytes) -> None:
+        frame = self._decoder.decode_frame(data)
         if frame.errors:
             self.rejected += len(frame.errors)
             self.last_error = frame.errors[-1]
@@ -388,7 +403,7 @@ class Subscriber:
                     self._confirmed.set()
             elif type(msg) is Closing:
                 self.broker_closed = True
-                await self._send_link(Encoder.frame([self._encoder.encode(Unsubscribe(SCHEMA_VERSION))]))
+                self._send_link_now(Encoder.frame([self._encoder.encode(Unsubscribe(SCHEMA_VERSION))]))
             else:
                 self._queue.append(msg)
                 self.received += 1
