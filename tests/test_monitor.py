@@ -130,6 +130,40 @@ def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
         assert proc.exitcode == 0, "the broker did not stop on its Control stop"
 
 
+def test_a_live_view_ends_when_the_run_s_broker_closes(tmp_path):
+    """The broker's Closing (the run stopped) ends the feed, and the page then says the run ended."""
+    front, back = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    proc = spawn_broker(BrokerConfig(frontend=front, backend=back, stats_interval_s=0.2))
+    state = LiveState(["gpt2"])
+    stopper = BlockingPublisher(front)
+    try:
+        async def watch():
+            attached = Attached(back, tmp_path)
+            await attached.ready(10)
+            feeding = asyncio.create_task(attached.feed(state))
+            while not state.broker:  # the broker's first Stats: the feed is running
+                if feeding.done():
+                    feeding.result()  # its error, if it failed
+                    raise AssertionError("the feed ended before the broker's first Stats")
+                await asyncio.sleep(0.05)
+            stopper.send(Control(SCHEMA_VERSION, "stop"))
+            stopper.flush()
+            try:
+                await asyncio.wait_for(feeding, 10)
+            finally:
+                attached.close()
+
+        asyncio.run(asyncio.wait_for(watch(), 60))
+        assert state.replay_done and state.snapshot()["ended"]
+    finally:
+        if proc.is_alive():  # the test failed before its stop: stop the broker anyway
+            stopper.send(Control(SCHEMA_VERSION, "stop"))
+            stopper.flush()
+        proc.join(20)
+        stopper.close(sync_timeout=None)
+        assert proc.exitcode == 0, "the broker did not stop on its Control stop"
+
+
 # --- bad input: one sentence on stderr, exit 2 ---
 
 def _one_sentence(out: subprocess.CompletedProcess, *words: str) -> None:
