@@ -1,20 +1,25 @@
-"""What watching costs: the smoke run's samples/s with a monitor page open and streaming vs without.
+"""What watching costs: the default run's samples/s with a monitor page open and streaming vs without.
 
 Runs alternate, without then with (``--pairs`` times), all real ``launch.py run`` processes on
-configs/smoke.toml. "With": ``launch.py monitor RUN_DIR`` attaches as soon as the run writes
+configs/default.toml (``--steps`` learner steps per model: the default job's RL phase, shortened;
+its warm start comes from the cache, made by the first run if missing). "With": ``launch.py monitor RUN_DIR`` attaches as soon as the run writes
 endpoints.json, and a client reads its ``/events`` stream (a snapshot every 0.5 s, what an open
 page receives) and asks for the latest prompt's story every 3 s, as the page does. The rate
 compared is own samples trained per second over the RL phase (the learners' start records to
 their last step), summed over models; warm start and final evaluation are excluded. The last
-line is JSON with ``ratio`` (with / without, medians); the bar is 0.95.
+line is JSON with ``ratio`` (with / without, medians); the bar is 0.95. Also reported: the CPU
+seconds the monitor used, of which a one-time part (start-up, and loading the tokenizers and THL
+bridges for the first prompt's story) weighs more the shorter the run.
 
-    python -m benchmarks.monitor_overhead [--steps 60] [--pairs 2] [--set KEY=VALUE ...]
+    python -m benchmarks.monitor_overhead [--config configs/default.toml] [--steps 200] [--pairs 2]
+                                          [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +40,12 @@ def samples_per_s(run_dir: Path) -> float:
     for r in steps:
         last[r["model"]] = r
     return sum(r["own_experiences"] for r in last.values()) / (max(r["time"] for r in steps) - start)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def watch(run_dir: Path, stop: threading.Event) -> dict:
@@ -61,6 +72,7 @@ def watch(run_dir: Path, stop: threading.Event) -> dict:
     while not stop.wait(3.0):
         with urllib.request.urlopen(url + "story?prompt=latest") as r:
             seen["stories"] += "prompt_id" in json.loads(r.read())
+    seen["monitor_cpu_s"] = _cpu_seconds(mon.pid)
     mon.terminate()
     mon.wait(20)
     last = seen.pop("last", {})
@@ -68,9 +80,9 @@ def watch(run_dir: Path, stop: threading.Event) -> dict:
     return seen
 
 
-def one_run(work: Path, name: str, steps: int, sets: list[str], monitored: bool) -> tuple[float, dict]:
+def one_run(work: Path, name: str, config: str, steps: int, sets: list[str], monitored: bool) -> tuple[float, dict]:
     run_dir = work / name
-    args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(ROOT / "configs/smoke.toml"),
+    args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", config,
             "--run-dir", str(run_dir), "--set", f"train.steps={steps}", "--set", "run.max_minutes=15"]
     for s in sets:
         args += ["--set", s]
@@ -90,24 +102,28 @@ def one_run(work: Path, name: str, steps: int, sets: list[str], monitored: bool)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", default=str(ROOT / "configs/default.toml"))
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="monitor-overhead-"))
-    without, with_ = [], []
+    without, with_, cpu = [], [], []
     for k in range(args.pairs):
-        rate, _ = one_run(work, f"plain-{k}", args.steps, args.sets, False)
+        rate, _ = one_run(work, f"plain-{k}", args.config, args.steps, args.sets, False)
         without.append(rate)
-        rate, seen = one_run(work, f"watched-{k}", args.steps, args.sets, True)
+        rate, seen = one_run(work, f"watched-{k}", args.config, args.steps, args.sets, True)
         with_.append(rate)
         print(f"pair {k}: without {without[-1]:.1f} samples/s, with a monitor {rate:.1f} samples/s "
               f"(page got {seen.get('events', 0)} snapshots, {seen.get('stories', 0)} stories; monitor saw "
-              f"{seen.get('received', 0)} experiences, missed {seen.get('missed', 0)})", flush=True)
+              f"{seen.get('received', 0)} experiences, missed {seen.get('missed', 0)}; it used "
+              f"{seen.get('monitor_cpu_s', 0):.1f} CPU-s)", flush=True)
+        cpu.append(seen.get("monitor_cpu_s", 0.0))
     ratio = statistics.median(with_) / statistics.median(without)
     print(json.dumps({"without_samples_per_s": [round(x, 1) for x in without],
                       "with_monitor_samples_per_s": [round(x, 1) for x in with_], "ratio": round(ratio, 3),
-                      "bar": BAR, "passes": ratio >= BAR, "steps": args.steps}))
+                      "bar": BAR, "passes": ratio >= BAR, "steps": args.steps,
+                      "config": Path(args.config).name, "monitor_cpu_s": [round(x, 1) for x in cpu]}))
     return 0
 
 
