@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,45 +106,14 @@ def split_eos(profile: VocabProfile, ids: np.ndarray, special: np.ndarray, dst_e
     return n_end
 
 
-OVERLAP_MIN = 4  # completions from which a batch is aligned as two halves at once
-
-
 def retokenize_many(
     src: VocabProfile, dst: VocabProfile, encoders: Encoders, batch: list[np.ndarray], dst_eos_id: int | None
 ) -> list[Aligned | BridgeError]:
     """Align each validated, non-empty source id array onto the destination's encoding of its text.
 
-    From OVERLAP_MIN completions on, the batch goes as two halves of about equal length, one on a
-    helper thread: the batch encode spreads over every core but the alignment after it runs on one,
-    so one half's alignment fills the cores while the other half encodes (both release the GIL).
-    Each completion's result is its own, so the halves give what the whole batch would."""
-    if len(batch) < OVERLAP_MIN:
-        return _retokenized(src, dst, encoders, batch, dst_eos_id)
-    cut = _half(batch)
-    later = _helper().submit(_retokenized, src, dst, encoders, batch[cut:], dst_eos_id)
-    first = _retokenized(src, dst, encoders, batch[:cut], dst_eos_id)
-    return first + later.result()
-
-
-_HELPER: ThreadPoolExecutor | None = None
-
-
-def _helper() -> ThreadPoolExecutor:
-    global _HELPER
-    if _HELPER is None:
-        _HELPER = ThreadPoolExecutor(1, thread_name_prefix="tokenbridge")
-    return _HELPER
-
-
-def _half(batch: list[np.ndarray]) -> int:
-    """The cut (1..K-1) that splits the batch's ids most evenly."""
-    total = np.cumsum([len(ids) for ids in batch])
-    return int(np.argmin(np.abs(total[:-1] - total[-1] / 2))) + 1
-
-
-def _retokenized(
-    src: VocabProfile, dst: VocabProfile, encoders: Encoders, batch: list[np.ndarray], dst_eos_id: int | None
-) -> list[Aligned | BridgeError]:
+    The whole batch is one batch encode (it spreads over every core) and one alignment. Encoding it
+    as two halves, one aligning while the other encodes, was measured slower: some tokenizers (GPT-2's)
+    encode two half batches in well over the time of one whole batch."""
     results: dict[int, Aligned | BridgeError] = {}
     texts: list[tuple[int, Source]] = []
     sources, spelled = _sources(src, batch, dst_eos_id)
