@@ -11,7 +11,7 @@ their ratio, and for the monitor: the share of the exchange it showed (the broke
 it dropped or sampled out for it) and liveness, the lag between a snapshot and the newest
 experience it holds while the exchange runs (median and max).
 
-    python -m benchmarks.monitor_keepup [--messages 100000] [--rounds 3]
+    python -m benchmarks.monitor_keepup [--messages 100000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def one_round(n: int, watched: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.monitor_keepup", description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=100_000, help="experiences per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per side (they alternate)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per side (they alternate)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     alone, watched = [], []
