@@ -148,7 +148,9 @@ def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) ->
         got = ranks[0][name]["grads"]
         assert ranks[0][name]["weights"] == ranks[1][name]["weights"], f"{name}: the ranks' weights differ"
         for n, g in want.items():
-            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{name} {n}: {m}")
+            # float32 sums in another order: ~1e-6 apart on elements near zero (seen on some CPUs), where
+            # the old scaling's error is 1e-2 of the whole gradient (asserted below)
+            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=2e-6, msg=lambda m, n=n: f"{name} {n}: {m}")
         assert _relative_error(got, want) < 1e-5 and figures["grad_norm"] > 0, name
         if name == "sgt":
             rescued = [r[name]["figures"]["obj/rescue_set_size"] for r in ranks]
