@@ -376,9 +376,14 @@ class Subscriber:
 
         Frames already received are read without a future each (a poll and a recv future per frame cost more
         than decoding it): the one await is the wait for the first."""
-        while not self._take_waiting():
+        if self._take_waiting():
+            await asyncio.sleep(0)  # they were here already: still let the loop's other tasks run in between
+            return
+        while True:
             while not await self._sock.poll(int(self.resubscribe_s * 1000), zmq.POLLIN):
                 self._send_link_now(self._subscribe_frame())
+            if self._take_waiting():
+                return
 
     def _take_waiting(self, max_frames: int = 16) -> int:
         """Take up to ``max_frames`` frames that have arrived, without waiting; how many there were."""
