@@ -24,7 +24,7 @@ from exchange.protocol import Stats
 from exchange.transport import Subscriber
 from monitor.live import LiveState
 
-MONITOR_MAX_RATE = 2000.0  # experiences/s the broker forwards to a monitor; past it the page shows a sample
+MONITOR_MAX_RATE = 500.0  # experiences/s the broker forwards to a monitor; past it the page shows a sample
 MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
 CLOSED_CHECK_S = 0.5  # a live monitor notices the broker's Closing (the run ended) within this long
 ENDED = ("run_result.json", "FAILED", "INTERRUPTED")  # a run that wrote one of these is over
