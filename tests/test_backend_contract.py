@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from policies.backend import BackendReleased, CudaHFBackend, GenerationBackend, HFBackend
-from policies.logprobs import token_logprobs
 from policies.models import build_policy
 from policies.sglang_backend import SglangBackend, SglangError, SglangHTTP, encode_tensors, sample_from_output
 from policies.templates import prompt_ids
 from sglang_standin import StandIn
 from test_models_backend import _constant_distribution
-from test_models_fixtures import pad_id, real_tokenizer, tiny_spec
+from test_models_fixtures import pad_id, real_tokenizer, scored_logprobs, tiny_spec
 
 KINDS = ["hf", "hf_static_cache", "sglang_standin"]
 QUESTIONS = ["12 + 34", "7 * 8", "123456 - 789"]
@@ -69,11 +68,7 @@ def test_is_a_generation_backend_and_reports_the_logprobs_of_its_weights(setup) 
     for prompt, samples in zip(prompts, results):
         for s in samples:
             assert len(s.logprobs) == len(s.completion_ids) > 0
-            ids = torch.tensor([prompt + s.completion_ids])
-            target = torch.zeros_like(ids, dtype=torch.bool)
-            target[0, len(prompt):] = True
-            with torch.no_grad():
-                expected = token_logprobs(model, ids, torch.ones_like(ids), target)[0, len(prompt):]
+            expected = scored_logprobs(model, prompt, s.completion_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
 
 
@@ -183,11 +178,7 @@ def test_static_cache_path_samples_what_the_dynamic_cache_samples_in_a_qwen2_mod
         prompts, 3, 8, 1.0, seed=1)
     for prompt, samples in zip(prompts, static):  # the static cache's log-probs are the model's own
         for s in samples:
-            ids = torch.tensor([prompt + s.completion_ids])
-            target = torch.zeros_like(ids, dtype=torch.bool)
-            target[0, len(prompt):] = True
-            with torch.no_grad():
-                expected = token_logprobs(model, ids, torch.ones_like(ids), target)[0, len(prompt):]
+            expected = scored_logprobs(model, prompt, s.completion_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
     # The same seed draws the same tokens, except where a draw lands within float32 noise of the boundary
     # between two neighbouring ids of the cumulative distribution (seen on one CPU: 65747 vs 65748 at the

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from policies.backend import HFBackend
-from policies.logprobs import token_logprobs
 from policies.models import ModelLoadError, ModelSpec, build_policy, save_policy
 from policies.templates import prompt_ids
 from tokenbridge import load_tokenizer
-from test_models_fixtures import pad_id, real_tokenizer
+from test_models_fixtures import pad_id, real_tokenizer, scored_logprobs
 
 FAMILY_TOKENIZER = {"gpt2": "gpt2", "llama": "mistral", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "mistral"}
 CHATML = (
@@ -60,11 +59,7 @@ def test_a_saved_checkpoint_of_each_family_reloads_from_its_own_dir_and_samples_
     assert results[0] == results[1]
     for prompt, samples in zip(prompts, results[1]):
         for s in samples:  # the sampler's log-probs are the learner's log-probs of the same tokens
-            ids = torch.tensor([prompt + s.completion_ids])
-            target = torch.zeros_like(ids, dtype=torch.bool)
-            target[0, len(prompt):] = True
-            with torch.no_grad():
-                scored = token_logprobs(loaded, ids, torch.ones_like(ids), target)[0, len(prompt):]
+            scored = scored_logprobs(loaded, prompt, s.completion_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), scored, atol=1e-5, rtol=0)
 
 

@@ -26,6 +26,19 @@ def tiny_spec(arch: str, **overrides) -> ModelSpec:
     return ModelSpec(**fields)
 
 
+def scored_logprobs(model, prompt: list[int], completion: list[int]):
+    """The model's own (teacher-forced) log-probs of ``completion`` after ``prompt``: what a learner computes."""
+    import torch
+
+    from policies.logprobs import token_logprobs
+
+    ids = torch.tensor([prompt + completion])
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    target[0, len(prompt):] = True
+    with torch.no_grad():
+        return token_logprobs(model, ids, torch.ones_like(ids), target)[0, len(prompt):]
+
+
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
