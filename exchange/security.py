@@ -100,26 +100,6 @@ class KeyRefused(ConnectionError):
     """The broker refused this client's CURVE key (ZAP said no: the key is not on its allow-list)."""
 
 
-class RefusalWatch:
-    """Tells a CURVE client that the broker refused it. Without this a refused client would only see its
-    sends wait or its syncs go unanswered: a wrong key would look like a hang, not an error."""
-
-    def __init__(self, sock: zmq.Socket, endpoint: str):
-        self.endpoint = endpoint
-        # Only a ZAP refusal: other handshake failures may be passing (a broker restarting), and a wrong broker
-        # key leaves nothing to see here (the broker cannot read the client's hello): its syncs time out.
-        self.events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # queued events stay: the error sticks
-
-    def raise_if_refused(self) -> None:
-        """Raises ``KeyRefused`` once the broker has refused a handshake of this client; never blocks."""
-        if self.events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            raise KeyRefused(f"the broker at {self.endpoint} refused this client's CURVE handshake: its public key "
-                             "is not in the broker's allow-list (copy its NAME.key there; see `python launch.py keys`)")
-
-    def close(self) -> None:
-        self.events.close(linger=0)
-
-
 def apply_client(sock: zmq.Socket, keys: ClientKeys | None) -> None:
     """Make ``sock`` a CURVE client of the broker (before connect); no-op without keys."""
     if keys is None:

@@ -13,6 +13,8 @@ that exits after ``aclose()`` has lost nothing (ZeroMQ alone would drop its queu
 Survives a broker restart: the frames sent since the last confirmed sync are kept (up to
 ``keep_unconfirmed_bytes``); a sync not answered within ``resend_every_s`` sends them again
 (ZeroMQ has reconnected to the new broker by then, which refuses ids its log holds already).
+An answer counts only if the link never dropped since those frames left (``exchange.link``):
+a drop loses the frames ZeroMQ was writing, and the Sync behind them may still get through.
 
 Subscriber: a DEALER socket connected to the broker's backend. It announces its topic
 prefixes with ``Subscribe``; ``await ready()`` returns once the broker has answered
@@ -54,7 +56,8 @@ from exchange.protocol import (
     Synced,
     Unsubscribe,
 )
-from exchange.security import ClientKeys, RefusalWatch, apply_client
+from exchange.link import LinkWatch
+from exchange.security import ClientKeys, apply_client
 
 REFUSAL_CHECK_S = 0.2  # how often a CURVE client waiting on the broker looks for a refusal of its key
 _tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
@@ -83,7 +86,10 @@ class Publisher:
         self.endpoint = endpoint
         self.resend_every_s = resend_every_s
         self.keep_unconfirmed_bytes = keep_unconfirmed_bytes
-        self._unconfirmed: collections.deque[bytes] = collections.deque()  # frames sent since the last confirmed sync
+        # frames sent since the last confirmed sync, each with the link's drop count when it left; the first is
+        # frame number _first_unconfirmed of this publisher
+        self._unconfirmed: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._first_unconfirmed = 0
         self._unconfirmed_bytes = 0
         self.resent = 0  # frames sent again because a sync went unanswered
         self.unprotected = 0  # unconfirmed frames forgotten past keep_unconfirmed_bytes
@@ -95,7 +101,8 @@ class Publisher:
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
         apply_client(self._sock, curve)
-        self._watch = None if curve is None else RefusalWatch(self._sock, endpoint)  # a refusal raises KeyRefused
+        self._curve = curve is not None
+        self._link = LinkWatch(self._sock, endpoint, curve=self._curve)  # drops; with CURVE, a refusal raises KeyRefused
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
         self._buf_bytes = 0
@@ -137,37 +144,54 @@ class Publisher:
             self._keep(frame)
 
     def _keep(self, frame: bytes) -> None:
-        self._unconfirmed.append(frame)
+        self._unconfirmed.append((frame, self._link.update().drops))
         self._unconfirmed_bytes += len(frame)
         while self._unconfirmed_bytes > self.keep_unconfirmed_bytes and len(self._unconfirmed) > 1:
-            self._unconfirmed_bytes -= len(self._unconfirmed.popleft())
+            self._forget_first()
             self.unprotected += 1
 
-    def _confirmed(self, n_frames: int) -> None:
-        for _ in range(min(n_frames, len(self._unconfirmed))):
-            self._unconfirmed_bytes -= len(self._unconfirmed.popleft())
+    def _forget_first(self) -> None:
+        self._unconfirmed_bytes -= len(self._unconfirmed.popleft()[0])
+        self._first_unconfirmed += 1
+
+    def _confirmed(self, end: int) -> None:
+        """Forget the kept frames numbered below ``end``: the broker has them."""
+        while self._unconfirmed and self._first_unconfirmed < end:
+            self._forget_first()
+
+    async def _resend(self, end: int) -> int:
+        """Send the kept frames numbered below ``end`` again, then a new Sync; its token."""
+        for frame, _ in list(self._unconfirmed)[: end - self._first_unconfirmed]:
+            await self._sock.send(frame, copy=False)
+            self.resent += 1
+        token = next(_tokens)
+        await self._sock.send(Encoder.frame([self._encoder.encode(Sync(SCHEMA_VERSION, token))]), copy=False)
+        return token
 
     async def flush(self) -> None:
         """Wait until every buffered message is handed to ZeroMQ (queued, not yet confirmed); with CURVE keys,
         ``KeyRefused`` if the broker refused them."""
         while self._buf or (self._drainer is not None and not self._drainer.done()):
             self._ensure_drainer()
-            if self._watch is None:
+            if not self._curve:
                 await self._drainer
                 continue
             while not self._drainer.done():  # a refused client has no peer: its send would wait for good
-                self._watch.raise_if_refused()
+                self._link.raise_if_refused()
                 await asyncio.wait({self._drainer}, timeout=REFUSAL_CHECK_S)
             await self._drainer  # its own error, if it had one
-        if self._watch is not None:
-            self._watch.raise_if_refused()
+        if self._curve:
+            self._link.raise_if_refused()
 
     async def sync(self, timeout: float = 30.0) -> None:
         """Wait until the broker confirms it processed everything sent so far; ``TimeoutError`` if not."""
         token = next(_tokens)
         self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))  # rides with the last data
         await self.flush()
-        covered = len(self._unconfirmed)  # the Sync is in the last of these frames
+        end = self._first_unconfirmed + len(self._unconfirmed)  # the Sync is in the last frame below this number
+        # each Sync sent, with the link's drop count when the first frame it covers left: its answer proves
+        # those frames arrived only if the link has not dropped since
+        rounds = {token: self._unconfirmed[0][1]}
         deadline = time.monotonic() + timeout
         resend_at = time.monotonic() + self.resend_every_s
         while True:
@@ -175,20 +199,23 @@ class Publisher:
             if now >= deadline:
                 raise TimeoutError(f"the broker at {self.endpoint} did not confirm {self.sent} sent messages within {timeout:g} s")
             if now >= resend_at:  # the broker may have died and come back: what it never confirmed goes again
-                for frame in list(self._unconfirmed)[:covered]:
-                    await self._sock.send(frame, copy=False)
-                self.resent += covered
+                drops = self._link.update().drops
+                rounds[await self._resend(end)] = drops
                 resend_at = now + self.resend_every_s
             wait_s = min(deadline, resend_at) - now
-            if self._watch is not None:
-                self._watch.raise_if_refused()
+            if self._curve:
+                self._link.raise_if_refused()
                 wait_s = min(wait_s, REFUSAL_CHECK_S)
-            if not await self._sock.poll(int(wait_s * 1000) + 1, zmq.POLLIN):
+            if not await self._sock.poll(max(1, int(wait_s * 1000) + 1), zmq.POLLIN):
                 continue
             frame = self._decoder.decode_frame(await self._sock.recv())
-            if any(m.token == token for m in frame.messages):
-                self._confirmed(covered)
+            answered = [rounds[m.token] for m in frame.messages if m.token in rounds]
+            if not answered:
+                continue
+            if self._link.update().drops in answered:
+                self._confirmed(end)
                 return
+            resend_at = 0.0  # answered, but the link dropped since: frames before that Sync may be lost
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Sync (see ``sync``), then close. Raises ``TimeoutError`` (after closing) if the broker never confirmed."""
@@ -201,8 +228,7 @@ class Publisher:
         """Close now; anything not yet confirmed by ``sync`` may be lost."""
         if self._drainer is not None and not self._drainer.done():
             self._drainer.cancel()
-        if self._watch is not None:
-            self._watch.close()
+        self._link.close()
         self._sock.close(linger=0)
 
 
@@ -210,7 +236,8 @@ class BlockingPublisher:
     """The Publisher for code without an event loop (scripts, threads): same frames, same Sync.
 
     ``send`` buffers and sends a frame every ``max_batch`` messages (blocking at the high-water
-    mark); ``flush`` sends the rest; ``close`` syncs first unless told not to.
+    mark); ``flush`` sends the rest; ``close`` syncs first unless told not to. It keeps nothing to
+    send again: a sync after the link dropped raises ``ConnectionError`` rather than confirm.
     """
 
     def __init__(self, endpoint: str, *, max_batch: int = 256, hwm_frames: int = 64,
@@ -224,9 +251,11 @@ class BlockingPublisher:
         self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
         self._sock.setsockopt(zmq.LINGER, 0)
         apply_client(self._sock, curve)
-        self._watch = None if curve is None else RefusalWatch(self._sock, endpoint)
+        self._curve = curve is not None
+        self._link = LinkWatch(self._sock, endpoint, curve=self._curve)
         self._sock.connect(endpoint)
         self._buf: list[bytes] = []
+        self._drops_when_unconfirmed: int | None = None  # the link's drop count when the first unconfirmed frame left
 
     def send(self, msg: Message) -> None:
         self._buf.append(self._encoder.encode(msg))
@@ -239,9 +268,11 @@ class BlockingPublisher:
         if not self._buf:
             return
         frame = Encoder.frame(self._buf)
-        if self._watch is not None:
+        if self._curve:
             while not self._sock.poll(int(REFUSAL_CHECK_S * 1000), zmq.POLLOUT):  # no peer, or a full queue
-                self._watch.raise_if_refused()
+                self._link.raise_if_refused()
+        if self._drops_when_unconfirmed is None:
+            self._drops_when_unconfirmed = self._link.update().drops
         self._sock.send(frame, copy=False)
         self._buf = []
 
@@ -252,11 +283,16 @@ class BlockingPublisher:
         self.flush()
         deadline = time.monotonic() + timeout
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if self._watch is not None:
-                self._watch.raise_if_refused()
+            if self._curve:
+                self._link.raise_if_refused()
                 left_ms = min(left_ms, int(REFUSAL_CHECK_S * 1000))
             if self._sock.poll(left_ms, zmq.POLLIN) and any(
                     m.token == token for m in self._decoder.decode_frame(self._sock.recv()).messages):
+                dropped = self._link.update().drops != self._drops_when_unconfirmed
+                self._drops_when_unconfirmed = None
+                if dropped:
+                    raise ConnectionError(f"the link to the broker at {self.endpoint} dropped since the last sync: "
+                                          "messages sent before it may be lost (Publisher re-sends; this one cannot)")
                 return
         raise TimeoutError(f"the broker at {self.endpoint} did not confirm within {timeout:g} s")
 
@@ -266,8 +302,7 @@ class BlockingPublisher:
             if sync_timeout is not None:
                 self.sync(sync_timeout)
         finally:
-            if self._watch is not None:
-                self._watch.close()
+            self._link.close()
             self._sock.close(linger=0)
 
 

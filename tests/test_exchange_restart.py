@@ -17,7 +17,7 @@ from exchange.broker import BrokerConfig, spawn_broker
 from exchange.log import ExperienceLogReader, ExperienceLogWriter
 from exchange.protocol import Experience, Stats
 from exchange.samples import make_experience
-from exchange.transport import Publisher, Subscriber
+from exchange.transport import BlockingPublisher, Publisher, Subscriber
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,3 +127,61 @@ def test_a_broker_on_an_existing_log_refuses_the_ids_it_holds_and_counts_them(tm
     assert set(seen) == {make_experience(i, "m0").experience_id for i in range(10, 15)}
     log = collections.Counter(e.experience_id for e in ExperienceLogReader(cfg.log_dir))
     assert len(log) == 15 and max(log.values()) == 1
+
+
+def test_a_sync_answered_after_a_dropped_link_re_sends_what_the_drop_lost(tmp_path):
+    """A drop loses the frames ZeroMQ was writing while the later ones, the Sync among them, reach the next broker.
+
+    Large frames to a stopped broker fill the kernel's socket buffers, so the Sync still waits in ZeroMQ's queue
+    when the broker is killed: the new broker answers it without ever seeing the first frames. That answer must
+    not confirm them (no timed re-send here: ``resend_every_s`` is longer than the test)."""
+    cfg = _config(tmp_path)
+
+    async def main() -> Publisher:
+        broker = spawn_broker(cfg)
+        pub = Publisher(cfg.frontend, max_batch=4, resend_every_s=600)
+        await pub.send(make_experience(0, "m0", completion_tokens=8, text_chars=20))
+        await pub.sync(timeout=30)  # connected, confirmed
+        os.kill(broker.pid, signal.SIGSTOP)
+        for i in range(1, 61):  # 15 frames of about 200 KB: more than the socket buffers hold
+            await pub.send(make_experience(i, "m0", completion_tokens=8, text_chars=50_000))
+        syncing = asyncio.create_task(pub.sync(timeout=60))
+        await asyncio.sleep(0.5)  # the Sync is queued behind the frames the kernel holds
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.join()
+        restarted = spawn_broker(cfg)
+        await syncing
+        pub.close()
+        restarted.terminate()
+        restarted.join(30)
+        return pub
+
+    pub = asyncio.run(main())
+    log = collections.Counter(e.experience_id for e in ExperienceLogReader(cfg.log_dir))
+    expected = {make_experience(i, "m0").experience_id for i in range(61)}
+    assert set(log) == expected, f"confirmed but never logged: {len(expected - set(log))} of 61"
+    assert max(log.values()) == 1
+    assert pub.resent > 0
+
+
+def test_a_blocking_publisher_says_when_a_dropped_link_may_have_lost_what_it_sent(tmp_path):
+    """BlockingPublisher keeps nothing to send again: after a drop its sync refuses to confirm, in a sentence."""
+    cfg = _config(tmp_path)
+    broker = spawn_broker(cfg)
+    pub = BlockingPublisher(cfg.frontend, max_batch=4)
+    try:
+        pub.send(make_experience(0, "m0", completion_tokens=8, text_chars=20))
+        pub.sync(timeout=30)
+        pub.send(make_experience(1, "m0", completion_tokens=8, text_chars=20))
+        pub.flush()
+        broker.kill()
+        broker.join()
+        broker = spawn_broker(cfg)
+        with pytest.raises(ConnectionError, match="dropped since the last sync"):
+            pub.sync(timeout=30)
+        pub.send(make_experience(2, "m0", completion_tokens=8, text_chars=20))
+        pub.sync(timeout=30)  # from here on the link holds: confirmed as usual
+    finally:
+        pub.close(sync_timeout=None)
+        broker.terminate()
+        broker.join(30)
