@@ -9,7 +9,8 @@ compared is own samples trained per second over the RL phase (the learners' star
 their last step), summed over models; warm start and final evaluation are excluded. The last
 line is JSON with ``ratio`` (with / without, medians); the bar is 0.95. Also reported: the CPU
 seconds the monitor used, of which a one-time part (start-up, and loading the tokenizers and THL
-bridges for the first prompt's story) weighs more the shorter the run.
+bridges for the first prompt's story) weighs more the shorter the run, and those of the page's client
+(this process's reader of the stream and the stories: what a browser would spend, or less).
 
     python -m benchmarks.monitor_overhead [--config configs/default.toml] [--steps 200] [--pairs 2]
                                           [--set KEY=VALUE ...]
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -56,16 +58,21 @@ def watch(run_dir: Path, stop: threading.Event) -> dict:
     mon = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "monitor", str(run_dir), "--port", "0",
                             "--no-browser"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = mon.stdout.readline().split()[1]
-    seen = {"events": 0, "stories": 0}
+    seen = {"events": 0, "stories": 0, "page_cpu_s": 0.0}
+    started = time.thread_time()
 
     def stream() -> None:
-        with urllib.request.urlopen(url + "events") as r:
-            for line in r:
-                if line.startswith(b"data: "):
-                    seen["events"] += 1
-                    seen["last"] = json.loads(line[6:])
-                if stop.is_set():
-                    return
+        t0 = time.thread_time()
+        try:
+            with urllib.request.urlopen(url + "events") as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        seen["events"] += 1
+                        seen["last"] = json.loads(line[6:])
+                    if stop.is_set():
+                        return
+        finally:
+            seen["page_cpu_s"] += time.thread_time() - t0
 
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
@@ -75,6 +82,8 @@ def watch(run_dir: Path, stop: threading.Event) -> dict:
     seen["monitor_cpu_s"] = _cpu_seconds(mon.pid)
     mon.terminate()
     mon.wait(20)
+    reader.join(5)
+    seen["page_cpu_s"] += time.thread_time() - started  # the stories' requests, and the stream's reading
     last = seen.pop("last", {})
     seen.update(received=last.get("received", 0), missed=last.get("missed", 0))
     return seen
@@ -108,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="monitor-overhead-"))
-    without, with_, cpu = [], [], []
+    without, with_, cpu, page_cpu = [], [], [], []
     for k in range(args.pairs):
         rate, _ = one_run(work, f"plain-{k}", args.config, args.steps, args.sets, False)
         without.append(rate)
@@ -117,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pair {k}: without {without[-1]:.1f} samples/s, with a monitor {rate:.1f} samples/s "
               f"(page got {seen.get('events', 0)} snapshots, {seen.get('stories', 0)} stories; monitor saw "
               f"{seen.get('received', 0)} experiences, missed {seen.get('missed', 0)}; it used "
-              f"{seen.get('monitor_cpu_s', 0):.1f} CPU-s)", flush=True)
+              f"{seen.get('monitor_cpu_s', 0):.1f} CPU-s, the page's client {seen.get('page_cpu_s', 0):.1f})",
+              flush=True)
         cpu.append(seen.get("monitor_cpu_s", 0.0))
+        page_cpu.append(seen.get("page_cpu_s", 0.0))
     ratio = statistics.median(with_) / statistics.median(without)
     print(json.dumps({"without_samples_per_s": [round(x, 1) for x in without],
                       "with_monitor_samples_per_s": [round(x, 1) for x in with_], "ratio": round(ratio, 3),
                       "bar": BAR, "passes": ratio >= BAR, "steps": args.steps,
-                      "config": Path(args.config).name, "monitor_cpu_s": [round(x, 1) for x in cpu]}))
+                      "config": Path(args.config).name, "monitor_cpu_s": [round(x, 1) for x in cpu],
+                      "page_client_cpu_s": [round(x, 1) for x in page_cpu]}))
     return 0
 
 
