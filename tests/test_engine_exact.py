@@ -104,6 +104,7 @@ def _rank(rank: int, endpoint: str, out: str) -> None:
         figures = train_share(state, data, own, peers, rank, WORLD, objective, pad, CLIP, LR)
         results[name] = {"grads": _grads(state), "weights": dp.params_digest(state.model), "figures": figures}
     torch.save(results, f"{out}.{rank}")
+    dist.barrier()  # neither rank tears its group down while the other may still use it (a gloo abort at exit, once)
     dist.destroy_process_group()
 
 

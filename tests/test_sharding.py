@@ -103,6 +103,7 @@ def _rank(rank: int, endpoint: str, out: str, arch: str, accum: int, checkpoint:
     local = {n: p.to_local().numel() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"params": params, "moments": moments, "grads": grads, "norms": norms, "local": local}, out)
+    dist.barrier()  # neither rank tears its group down while the other may still use it (a gloo abort at exit, once)
     dist.destroy_process_group()
 
 
