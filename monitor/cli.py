@@ -20,7 +20,6 @@ from pathlib import Path
 import uvloop
 
 MONITOR_NICE = 10
-SINGLE_THREADED = ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS", "OMP_NUM_THREADS")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -45,8 +44,6 @@ def monitor_command(args: argparse.Namespace) -> int:
 
     with contextlib.suppress(OSError):
         os.nice(MONITOR_NICE)  # on shared cores the run's workers come first: watching must not slow training
-    for name in SINGLE_THREADED:  # before tokenizers or torch load: one thread bridges a story's few samples,
-        os.environ.setdefault(name, "1" if name.endswith("THREADS") else "false")  # pools would spin on the run's cores
     if args.speed < 0:
         print(f"error: --speed {args.speed:g}: must be 0 (as fast as possible) or more", file=sys.stderr)
         return 2
