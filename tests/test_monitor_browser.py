@@ -156,7 +156,8 @@ def test_page_follows_a_live_run(tmp_path, engine_cache):
         shot = Path(kept).with_stem(Path(kept).stem + "-live") if kept else tmp_path / "monitor-live.png"
         driver.save_screenshot(str(shot))
         run.signal(signal.SIGINT)  # Ctrl-C: the run stops, its broker says Closing, the page says it ended
-        assert run.finish(timeout=120) == 130, run.out[-3000:]
+        code = run.finish(timeout=120)
+        assert code == 130, f"exit {code} after Ctrl-C, not 130:\n{run.out[-3000:]}"
         wait(driver, "the end of the run", lambda d: d.find_element("id", "run").text == "run (live, ended)")
     finally:
         if driver is not None:

@@ -84,6 +84,39 @@ def test_batch_equals_one_call_each_with_bad_completions_in_place(toks, src, dst
     assert batch_bridge.stats.cache_hits == 1
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_array_ids_outside_the_vocabulary_cost_only_their_completion(toks, dtype):
+    """Arrays skip the per-completion range check (the batch's spelling does it): a bad id must still give
+    its completion the call's error, naming position and value, and leave the others as calls give them."""
+    tok = toks["qwen2"]
+    texts = ["The answer is 42.", "x", "caf\u00e9 \u00fc \u4f60\u597d", "y", "last one"]
+    ids = [np.array(ids_of(tok, text), dtype=dtype) for text in texts]
+    ids[1] = np.append(ids[1], len(tok) + 5).astype(dtype)  # past the end
+    ids[3] = np.insert(ids[3], 0, -3).astype(dtype)  # negative, first
+    logprobs = [np.full(len(i), -0.25, dtype=np.float32) for i in ids]
+    got = Bridge(tok, toks["gpt2"]).batch(ids, logprobs)
+    want = calls(Bridge(tok, toks["gpt2"]), ids, logprobs, [None] * len(ids))
+    assert all(same(a, b) for a, b in zip(got, want))
+    assert isinstance(got[1], InvalidTokenIdError) and f"= {len(tok) + 5} " in str(got[1])
+    assert isinstance(got[3], InvalidTokenIdError) and "src_ids[0] = -3 " in str(got[3])
+    assert [r.text for r in (got[0], got[2], got[4])] == [texts[0], texts[2], texts[4]]
+
+
+def test_mixed_float_log_probs_and_an_overflowing_group_equal_calls_bit_for_bit(toks):
+    """float32 and float64 log-probs in one batch, and a completion whose group sum overflows in the middle."""
+    tok, rng = toks["gpt2"], np.random.default_rng(3)
+    texts = ["The answer is 42.", "caf\u00e9 \u4f60\u597d 17 + 25", "overflow here", "  spaces  and 3.14159", "end"]
+    ids = [np.array(ids_of(tok, text), dtype=np.int64) for text in texts]
+    logprobs = [-rng.random(len(i)) * 5 for i in ids]
+    logprobs[1], logprobs[3] = logprobs[1].astype(np.float32), logprobs[3].astype(np.float32)
+    logprobs[2] = np.full(len(ids[2]), -1e308)  # finite one by one; some group sums overflow
+    got = Bridge(tok, toks["mistral"]).batch(ids, logprobs)
+    want = calls(Bridge(tok, toks["mistral"]), ids, logprobs, [None] * len(ids))
+    assert all(same(a, b) for a, b in zip(got, want))
+    assert isinstance(got[2], NonFiniteLogprobError)
+    assert all(r.dst_mask.all() and r.dst_logprobs.dtype == np.float64 for r in (got[0], got[1], got[3], got[4]))
+
+
 def test_special_token_inside_one_completion_costs_only_that_one(toks):
     bridge = Bridge(toks["qwen2"], toks["gpt2"])
     out = bridge.batch([[9707, QWEN_IM_START, 1879], [9707, 1879]])

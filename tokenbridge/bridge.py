@@ -180,8 +180,12 @@ class Bridge:
         return checked_ids(self.src, src_ids)
 
     def _checked(self, src_ids, logprobs, mask) -> Checked:
-        ids = checked_ids(self.src, src_ids)
-        lp = None if logprobs is None else checked_logprobs(logprobs, len(ids))
+        """As a call checks them: ids whose range the batch's spelling checks (`_ids`), log-probs as given
+        when they are already plain floats."""
+        ids = self._ids(src_ids)
+        lp = logprobs
+        if logprobs is not None and not _plain_floats(logprobs, len(ids)):
+            lp = checked_logprobs(logprobs, len(ids))
         msk = None if mask is None else checked_mask(mask, len(ids))
         return ids, lp, msk
 

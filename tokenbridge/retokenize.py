@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from tokenbridge.align import Groups, SpanAlignment, chars_before, char_start_mask
+from tokenbridge.checks import checked_ids
 from tokenbridge.errors import (
     AlignmentError,
     BridgeError,
@@ -140,28 +142,38 @@ def retokenize_many(
     return [results[k] for k in range(len(batch))]
 
 
-def _running(counts: list[int]) -> list[int]:
-    """(K+1,) where each run starts when laid end to end, then the total."""
-    firsts = [0]
-    for count in counts:
-        firsts.append(firsts[-1] + count)
-    return firsts
-
-
 def _spelled_runs(src: VocabProfile, runs: list[np.ndarray]) -> tuple:
     """`kernels.spell` of validated id runs laid end to end: (any_flags, raw, bounds, byte_firsts, drop, src_firsts)."""
-    firsts = np.array(_running([len(run) for run in runs]), dtype=np.int64)
+    firsts = np.array(list(accumulate(map(len, runs), initial=0)), dtype=np.int64)
     ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
     bad, any_flags, raw, bounds, byte_firsts, drop = kernels.spell(
         ids, firsts, src.record, src.inline, src.blob, src.strips_leading_space
     )
-    assert bad < 0, "ids are validated before they are spelled"
+    if bad >= 0:
+        return None
     return any_flags, raw, bounds, byte_firsts, drop, firsts
 
 
-def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> tuple[list[Source | BridgeError], tuple]:
-    """Each completion's text, cut from the batch's bytes (end tokens have none), and the batch's spelling."""
+def _sources_with_bad_ids(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> list[Source | BridgeError]:
+    """`_sources` of a batch holding ids outside the vocabulary: each such completion gets the error a call
+    would raise (naming the position and the value as given), the others their sources."""
+    out: list[Source | BridgeError] = []
+    for ids in batch:
+        try:
+            checked_ids(src, ids)
+        except BridgeError as exc:
+            out.append(exc)
+            continue
+        out.extend(_sources(src, [ids], dst_eos_id)[0])
+    return out
+
+
+def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None) -> tuple[list[Source | BridgeError], tuple | None]:
+    """Each completion's text, cut from the batch's bytes (end tokens have none), and the batch's spelling
+    (None if some ids were outside the vocabulary: those completions get `checked_ids`'s error)."""
     spelled = _spelled_runs(src, batch)
+    if spelled is None:
+        return _sources_with_bad_ids(src, batch, dst_eos_id), None
     any_flags, raw, _, byte_firsts, drop, firsts = spelled
     raw_all, at, drops, firsts = raw.tobytes(), byte_firsts.tolist(), drop.tolist(), firsts.tolist()
     special = None
@@ -192,7 +204,7 @@ def _fast(
     flat = array("I")
     dst_firsts = [0]
     for ids in lists:
-        flat.extend(ids)
+        flat.fromlist(ids)  # five times faster than extend, or than numpy, from a list of ints
         dst_firsts.append(len(flat))
     n_end = np.array([source.n_end for source in sources], dtype=np.int64)
     out = kernels.align_batch(

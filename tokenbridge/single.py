@@ -65,8 +65,10 @@ def align_one(
     text = _decoded(raw)
     dst_list = encoders.ids_one(text)
     if dst.exact:
+        dst_flat = array("I")
+        dst_flat.fromlist(dst_list)  # faster than array("I", dst_list)
         shift, dst_ids, _, ok, src_group, dst_group, src_at, dst_at, chars, n_dst, inexact = kernels.align_one(
-            array("I", dst_list), n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record, dst.inline, dst.blob,
+            dst_flat, n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record, dst.inline, dst.blob,
             dst.strips_leading_space, spelled.raw, spelled.byte_firsts, spelled.bounds,
         )
         if shift[0] >= 0:
