@@ -66,6 +66,7 @@ def _monitor(backend: str, stop, out) -> None:
         attached = Attached(backend, Path("."))
         await attached.ready(30)
         out.put(("ready", 0.0, 0.0))
+        cpu_at_ready = time.process_time()
         feeding = asyncio.create_task(attached.feed(state))
         ticks = []
         while not stop.is_set():
@@ -75,7 +76,7 @@ def _monitor(backend: str, stop, out) -> None:
         await asyncio.sleep(1.5)  # the broker's last Stats (what it dropped for us) arrive
         feeding.cancel()
         attached.close()
-        out.put(("done", state.received, state.missed, ticks))
+        out.put(("done", state.received, state.missed, ticks, time.process_time() - cpu_at_ready))
 
     _uvloop_run(main())
 
@@ -104,10 +105,10 @@ def one_round(n: int, watched: bool) -> dict:
         stop.set()
         if not watched:
             return {"exchange_per_s": rate}
-        _, received, missed, ticks = watch_out.get(timeout=60)
+        _, received, missed, ticks, cpu_s = watch_out.get(timeout=60)
         lags = [t - newest for t, newest in ticks if started + 1.0 < t <= ended and newest]
         return {"exchange_per_s": rate, "shown": received / max(received + missed, 1), "received": received,
-                "missed": missed, "lags": lags}
+                "missed": missed, "lags": lags, "monitor_cpu_share": cpu_s / (time.time() - started)}
     finally:
         for p in reversed(procs):
             p.join(10) if p is not procs[0] else None
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}/{args.rounds}: exchange alone {alone[-1]['exchange_per_s']:,.0f}/s, with a monitor "
               f"{w['exchange_per_s']:,.0f}/s; the monitor showed {100 * w['shown']:.1f}% ({w['received']:,} "
               f"aggregated, {w['missed']:,} dropped or sampled out for it), lag max "
-              f"{max(w['lags'], default=float('nan')):.2f} s", flush=True)
+              f"{max(w['lags'], default=float('nan')):.2f} s; monitor CPU {100 * w['monitor_cpu_share']:.1f}% of a core",
+              flush=True)
     alone_rate = statistics.median(x["exchange_per_s"] for x in alone)
     with_rate = statistics.median(x["exchange_per_s"] for x in watched)
     lags = [lag for w in watched for lag in w["lags"]]

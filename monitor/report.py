@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from monitor import plots
 from monitor.rundata import ReportError, RunData, read_run
 
 EXPLAIN = {
@@ -41,6 +40,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         raise ReportError("several runs: say where the report goes with --out DIR")
     out = Path(out) if out is not None else runs[0].path
     out.mkdir(parents=True, exist_ok=True)
+    from monitor import plots  # matplotlib: a third of a second, paid by the report only, not by every launch.py command
+
     figures = [name for fig in plots.FIGURES if (name := fig(runs, out))]
     path = out / "report.md"
     path.write_text(_markdown(runs, figures))

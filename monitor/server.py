@@ -51,6 +51,8 @@ class MonitorServer:
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError, ValueError,
                 ConnectionError):
             pass  # a client that went away or spoke nonsense: nothing to answer
+        except asyncio.CancelledError:
+            pass  # the monitor is stopping (Ctrl-C): asyncio's stream callback would print a cancelled handler
         finally:
             writer.close()
 

@@ -27,6 +27,7 @@ class Storyteller:
         self._tokenizers: dict[str, object] = {}
         self._bridges: dict[tuple[str, str], object] = {}  # (sender, receiver) -> tokenbridge.Bridge or None
         self.problems: list[str] = []
+        self._piece_of: dict[str, dict[int, str]] = {}  # model -> token id -> its text alone (at most a vocabulary)
 
     def tokenizer(self, model: str):
         from tokenbridge import TokenizerLoadError, load_tokenizer  # transformers: only once a story is asked for
@@ -82,10 +83,16 @@ class Storyteller:
         return out
 
     def _pieces(self, model: str, ids) -> list[str]:
+        """Each token's text as the model's tokenizer decodes it alone; remembered per id (a decode through
+        transformers costs tens of microseconds, and a story shows a few thousand tokens)."""
         tok = self.tokenizer(model)
         if tok is None:
             return [str(i) for i in ids]
-        return [tok.decode([int(i)]) for i in ids]
+        known = self._piece_of.setdefault(model, {})
+        ids = [int(i) for i in ids]
+        new = [i for i in dict.fromkeys(ids) if i not in known]
+        known.update(zip(new, tok.batch_decode([[i] for i in new])))
+        return [known[i] for i in ids]
 
 
 def _tokenizers_of(run_dir: Path) -> tuple[dict[str, str], str]:

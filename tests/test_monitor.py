@@ -82,6 +82,15 @@ def test_story_shows_every_model_with_bridged_tokens(tmp_path):
     # GPT-2 writes " 6" as one token, Mistral as two (space, digit): one group, residual 1.0
     assert len(sample["tokens"]) == 1 and len(bridged["tokens"]) == 2 and bridged["residual"] == 1.0
     assert bridged["group"] == [0, 0] and "verified" in sample and "staleness" in sample
+    # each token's text is its tokenizer's decode of it alone (remembered per id, the same on a second story)
+    teller = Storyteller(run_dir)
+    for _ in range(2):
+        again = teller.story(pid, state.prompts[pid], list(state.models))
+        for model, samples in again["models"].items():
+            tok = teller.tokenizer(model)
+            mine = sorted((e for e, _ in state.prompts[pid] if e.model == model), key=lambda e: e.sample_index)
+            for exp, shown in zip(mine, samples, strict=True):
+                assert shown["tokens"] == [tok.decode([int(i)]) for i in exp.completion_array], model
 
 
 def test_once_replays_a_finished_run(tmp_path):
@@ -196,3 +205,26 @@ def test_endpoint_with_nothing_listening(tmp_path):
     (run_dir / "run_result.json").unlink()  # looks running, but nothing serves its exchange
     (run_dir / "endpoints.json").write_text(json.dumps({"subscribe": f"ipc://{tmp_path}/gone"}))
     _one_sentence(monitor(str(run_dir), "--once", "--attach-timeout", "1"), "nothing is listening", "--replay")
+
+
+def test_ctrl_c_with_a_page_streaming_stops_quietly(tmp_path):
+    """Ctrl-C on a monitor whose page holds its event stream open: exit 0, no traceback (the stream's
+    handler is cancelled at shutdown)."""
+    import signal
+    import urllib.request
+
+    run_dir = write_run(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "monitor", str(run_dir), "--port", "0",
+                             "--no-browser", "--speed", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = proc.stdout.readline().split()[1]
+        with urllib.request.urlopen(url + "events", timeout=30) as stream:
+            assert stream.readline().startswith(b"data: ")  # the page is streaming
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0 and "Traceback" not in out and "Error" not in out, out
