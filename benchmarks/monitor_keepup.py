@@ -73,7 +73,7 @@ def _monitor(backend: str, stop, out) -> None:
             await asyncio.sleep(0.5)
             json.dumps(state.snapshot(), separators=(",", ":"))  # what an open page costs each tick
             ticks.append((time.time(), state.newest_sample_at))
-        cpu_share = (time.process_time() - cpu_at_ready) / (time.monotonic() - at_ready)  # while the exchange ran
+        cpu_share = (time.process_time() - cpu_at_ready) / (time.monotonic() - at_ready)  # over the time it was attached (the exchange runs for part of it)
         await asyncio.sleep(1.5)  # the broker's last Stats (what it dropped for us) arrive
         feeding.cancel()
         attached.close()

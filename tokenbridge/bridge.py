@@ -117,9 +117,7 @@ class Bridge:
             aligned = self._lookup(ids) if self.cache_size else None
             hit = aligned is not None
             spelled = None if hit or self.identity else spell_one(self.src, ids)  # checks the ids first
-            lp = None
-            if logprobs is not None:
-                lp = logprobs if _plain_floats(logprobs, len(ids)) else checked_logprobs(logprobs, len(ids))
+            lp = _logprobs(logprobs, len(ids))
             msk = None if mask is None else checked_mask(mask, len(ids))
             if aligned is None:
                 aligned = self._aligned_one(ids, spelled)
@@ -183,9 +181,7 @@ class Bridge:
         """As a call checks them: ids whose range the batch's spelling checks (`_ids`), log-probs as given
         when they are already plain floats."""
         ids = self._ids(src_ids)
-        lp = logprobs
-        if logprobs is not None and not _plain_floats(logprobs, len(ids)):
-            lp = checked_logprobs(logprobs, len(ids))
+        lp = _logprobs(logprobs, len(ids))
         msk = None if mask is None else checked_mask(mask, len(ids))
         return ids, lp, msk
 
@@ -293,6 +289,13 @@ class Bridge:
             eos=aligned.eos,
             identity=self.identity,
         )
+
+
+def _logprobs(logprobs, n: int) -> np.ndarray | None:
+    """`checked_logprobs`, skipped for log-probs that are already what it would make of them."""
+    if logprobs is None or _plain_floats(logprobs, n):
+        return logprobs
+    return checked_logprobs(logprobs, n)
 
 
 def _plain_floats(logprobs, n: int) -> bool:
