@@ -164,7 +164,7 @@ def resume_command(args: argparse.Namespace) -> int:
 
 
 def cache_command(args: argparse.Namespace) -> int:
-    from engine.cachedir import default_cache_root
+    from tokenbridge.cachedir import default_cache_root
 
     root = default_cache_root()
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0

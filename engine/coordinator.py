@@ -7,10 +7,8 @@
         here: the allocator (static | mwra) and scripted moves, work dispatch, learner groups,
               the failure policy, signals, the live display, the end-of-run audit and summary
 
-The end is always the same path, whatever triggers it (every model done, the time
-limit, Ctrl-C/SIGTERM, a failure): generators halt first (their last experience reaches
-the log), then learners (leaders checkpoint and evaluate), then every process is stopped
-(join, SIGTERM, SIGKILL), so no process, socket or shared-memory slot outlives the run.
+The end is always the same path, whatever triggers it (``engine.stopping``): generators
+halt first, then learners, then every process is stopped, so nothing outlives the run.
 
 One failure policy (``engine.runtime.failures``): a dead generator's units go out again
 and a fresh worker takes its place; a dead learner rank's group re-forms from the
@@ -21,7 +19,6 @@ so; the broker's death ends the run. Each is one line on stderr and a metrics re
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import sys
 import tempfile
@@ -37,11 +34,12 @@ from engine.runtime import actors
 from engine.outcome import RunResult, report, useful_prompts, write_result
 from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
-from engine.runtime.hub import start_hub, stop_broker
+from engine.runtime.hub import start_hub
 from engine.runtime.metrics import MetricsWriter
-from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, Halt, HandBack, Hello, LearnerFinal,
+from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json
+from engine.stopping import halt, shutdown
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
@@ -49,6 +47,8 @@ from engine.schedule.roster import Roster
 from engine.weights.channel import channel_root
 from exchange.protocol import Stats
 from tasks.registry import make_task
+
+PAUSE_SAID_S = 5.0  # a drive-loop turn this much later than its cadence is said on stderr and recorded
 
 
 class Coordinator:
@@ -100,13 +100,13 @@ class Coordinator:
                 await self.failures.watching(self._begin_and_drive())
                 self.t_stop = time.time()
                 self.useful = useful_prompts(self)
-                await self._halt()
+                await halt(self)
                 result = write_result(self)
         except (RunFailed, PrepFailed) as exc:
             if self.interrupted is None:
                 self.failures.fail(str(exc))
         finally:
-            await self._shutdown()
+            await shutdown(self)
         return report(self, result)
 
     def _on_signal(self, sig: int) -> None:
@@ -181,12 +181,13 @@ class Coordinator:
         while not predicate() and self.interrupted is None and not self.failures.fatal:
             if time.time() > deadline:
                 raise RunFailed(why())
-            await self._changed(1.0)
+            await self.wait_changed(1.0)
 
     async def _drive(self) -> None:
         display = LiveDisplay(self.cfg, self.preps, enabled=not self.quiet)
         self.say(LiveDisplay.legend(self.cfg))
         self.display, deadline, next_tick = display, self.t_start + self.cfg.run.max_minutes * 60, 0.0
+        last_turn = time.time()
         try:
             while self.interrupted is None and not self.failures.fatal:
                 running = [m for m in self.names if m not in self.finals and m not in self.failures.left]
@@ -197,6 +198,8 @@ class Coordinator:
                                        f"timeouts.peer_silent_s={self.cfg.timeouts.peer_silent_s:g}s; stopped")
                     break
                 now = time.time()
+                self._discount_stall(now - last_turn)
+                last_turn = now
                 if now >= deadline:
                     self.say(f"\nrun.max_minutes={self.cfg.run.max_minutes:g} reached: stopping")
                     break
@@ -205,9 +208,23 @@ class Coordinator:
                     await self._tick(now)
                 self.dispatch_all()
                 display.refresh(f"[pool] {self._counts_text()}")
-                await self._changed(min(self.cfg.pool.controller_every_s, deadline - now))
+                await self.wait_changed(min(self.cfg.pool.controller_every_s, deadline - now))
         finally:
             display.close()
+
+    def _discount_stall(self, gap: float) -> None:
+        """Time the coordinator itself did not run (a suspended laptop, a paused VM: every process stopped at
+        once) is nobody's silence: the silence timers skip it, so a machine that wakes does not declare every
+        model gone."""
+        stall = gap - self.cfg.pool.controller_every_s
+        if stall <= 0:
+            return
+        for m in self.last_step_at:
+            self.last_step_at[m] += stall
+        if stall >= PAUSE_SAID_S:
+            self.say(f"[run] the coordinator did not run for {stall:.0f}s (the machine suspended or paused?): "
+                     "the silence timers skip that time", err=True)
+            self.metrics.write(event="paused", seconds=round(stall, 1))
 
     async def _tick(self, now: float) -> None:
         for move in self.script.due(dict(self.dispatch.steps)):
@@ -328,61 +345,12 @@ class Coordinator:
             if isinstance(msg, Stats) and msg.worker_id in self.roster.assignment:
                 self.fresh.append(msg)
 
-    async def _changed(self, timeout: float) -> None:
+    async def wait_changed(self, timeout: float) -> None:
         self.changed.clear()
         try:
             await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
         except TimeoutError:
             pass
-
-    # --- the end ---
-    async def _halt(self) -> None:
-        """Generators first (their last units reach the log), then learners (leaders checkpoint and evaluate)."""
-        self.stopping = True
-        t = self.cfg.timeouts
-        others = [w for w, (r, _) in self.roster.assignment.items() if r != "learner"]
-        await self.send_all([(w, Halt("end of run")) for w in others])
-        await self._wait_exit(others, t.halt_s)
-        learners = [w for w, (r, _) in self.roster.assignment.items() if r == "learner"]
-        await self.send_all([(w, Halt("end of run")) for w in learners])
-        owed = [m for m in self.names if m not in self.failures.left]
-        deadline = time.time() + t.final_s
-        while (not all(m in self.finals for m in owed) and time.time() < deadline and self._any_alive(learners)
-               and not self.failures.fatal):
-            await self._changed(1.0)
-        missing = [m for m in owed if m not in self.finals]
-        if missing:
-            self.failures.fail(f"no final checkpoint and evaluation from {', '.join(missing)} "
-                               f"(timeouts.final_s={t.final_s:g})")
-
-    async def _wait_exit(self, workers: list[str], timeout: float) -> None:
-        deadline = time.time() + timeout
-        while self._any_alive(workers) and time.time() < deadline and not self.failures.fatal:
-            await self._changed(0.1)
-
-    def _any_alive(self, workers: list[str]) -> bool:
-        return any(self.actors[w].alive for w in workers if w in self.actors)
-
-    async def _shutdown(self) -> None:
-        self.stopping = True
-        for task in [*getattr(self, "tasks", []), getattr(self.failures, "watch", None)]:
-            if task is not None:
-                task.cancel()
-        procs, grace = list(self.actors.values()), self.cfg.timeouts.stop_s
-        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], grace)
-        if "broker" in self.actors and self.actors["broker"].alive:
-            try:
-                await asyncio.wait_for(stop_broker(self.pub), grace)
-            except (TimeoutError, OSError):
-                pass  # stop_all below ends it
-        await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], grace)
-        await asyncio.to_thread(actors.stop_all, getattr(self, "prep_actors", []), 0.0)
-        for closer in ("sub", "pub", "plane", "metrics"):
-            if hasattr(self, closer):
-                getattr(self, closer).close()
-        if hasattr(self, "weights_root"):
-            shutil.rmtree(self.weights_root, ignore_errors=True)
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
     def _counts_text(self) -> str:
         return " ".join(f"{k}={v}" for k, v in sorted(self.roster.counts().items()))

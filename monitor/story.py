@@ -22,7 +22,7 @@ MAX_BRIDGED_TOKENS = 200  # a long completion is cut for the view (the page has 
 class Storyteller:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.tokenizer_names: dict[str, str] | None = None  # read on the first story (it imports the engine's config)
+        self.tokenizer_names: dict[str, str] | None = None  # read on the first story (from its config.toml)
         self.cache = ""
         self._tokenizers: dict[str, object] = {}
         self._bridges: dict[tuple[str, str], object] = {}  # (sender, receiver) -> tokenbridge.Bridge or None
@@ -97,7 +97,7 @@ class Storyteller:
 
 def _tokenizers_of(run_dir: Path) -> tuple[dict[str, str], str]:
     """model -> tokenizer name, and the tokenizer cache the run used (``run.cache_dir`` or the default)."""
-    from engine.cachedir import default_cache_root  # the one place the cache's location is decided (no torch)
+    from tokenbridge.cachedir import default_cache_root  # the one place the cache's location is decided
 
     try:
         cfg = tomllib.loads((run_dir / "config.toml").read_text())

@@ -86,7 +86,7 @@ def _records(worker: Worker) -> list[dict]:
 
 def _learn(worker: Worker, model: str) -> int:
     """Take the learner role as learn_role does, and take one real optimizer step; returns its tensor count."""
-    from engine.roles.learner import LearnerCore
+    from engine.roles.learner_core import LearnerCore
 
     worker.learners[model] = core = LearnerCore(worker, model)
     assert core.module is worker.policy(model).module  # the same model's module is reused, not rebuilt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import glob
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,20 @@ def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
     assert "during the warm start" in (run.run_dir / "INTERRUPTED").read_text()
     assert "Traceback" not in run.out
     assert run.leftover() == []
+
+
+def test_a_pause_of_the_whole_machine_is_not_silence(tmp_path, engine_cache):
+    """A suspended laptop or a paused VM stops every process at once: on waking, no model is presumed gone."""
+    run = Run(tmp_path / "run", engine_cache, "timeouts.peer_silent_s=3")
+    run.wait_steps(2, "gpt2")
+    run.signal(signal.SIGSTOP)  # the whole run, as a suspend stops it
+    time.sleep(8)  # the pause itself is the stimulus: longer than peer_silent_s
+    run.signal(signal.SIGCONT)
+    assert run.finish() == 0, run.out[-3000:]
+    assert run.events("paused") and run.events("paused")[0]["seconds"] >= 4, run.events("paused")
+    assert "did not run for" in run.out
+    assert not run.events("peer_gone") and "presumed gone" not in run.out, run.out[-3000:]
+    assert run.result()["steps"] == {"gpt2": 12, "llama": 12}
 
 
 def test_a_dead_generator_is_replaced_and_nothing_is_lost(tmp_path, engine_cache):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import sentencepiece
@@ -73,10 +74,17 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path):
     json.loads((entry / "tokenizer.json").read_text())  # the entry was rewritten whole
 
 
-def test_default_cache_dir_follows_env(monkeypatch, tmp_path):
+def test_default_cache_dir_is_the_engines_tokenizer_cache(monkeypatch, tmp_path):
+    """The THL's own default is where a run keeps its tokenizers (one place decides the cache's location)."""
+    from engine.config import load_run_config, tokenizer_cache
+
     monkeypatch.setenv("MUTUAL_RL_CACHE", str(tmp_path / "c"))
-    assert default_cache_dir() == tmp_path / "c"
+    assert default_cache_dir() == tmp_path / "c" / "tokenizers"
     monkeypatch.delenv("MUTUAL_RL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "mutual_rl" / "tokenizers"
+    assert str(default_cache_dir()) == tokenizer_cache(load_run_config(str(Path(__file__).resolve().parents[1] / "configs" / "smoke.toml"), []))
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir().parts[-3:] == (".cache", "mutual_rl", "tokenizers")
 
 

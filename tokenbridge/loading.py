@@ -23,6 +23,7 @@ from tokenizers import normalizers, processors
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from tokenbridge.cachedir import default_cache_root
 from tokenbridge.errors import TokenizerLoadError
 
 RECIPE_VERSION = "1"  # bump when a converter below changes, to invalidate cached conversions
@@ -40,9 +41,8 @@ EXPECTED_HELLO = {"gpt2": [15496, 995], "mistral": [22557, 1526], "qwen2": [9707
 
 
 def default_cache_dir() -> Path:
-    """`$MUTUAL_RL_CACHE/tokenizers`-style default: `$MUTUAL_RL_CACHE` or `~/.cache/mutual_rl/tokenizers`."""
-    env = os.environ.get("MUTUAL_RL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "mutual_rl" / "tokenizers"
+    """``tokenizers/`` in the machine's cache (``tokenbridge.cachedir``: $MUTUAL_RL_CACHE, else XDG_CACHE_HOME's)."""
+    return default_cache_root() / "tokenizers"
 
 
 def _package_file(package: str, *parts: str) -> Path:

@@ -125,7 +125,7 @@ def retokenize_many(
         elif source.raw:
             texts.append((k, source))
         elif source.n_end:
-            results[k] = _eos_only(len(source.ids), dst_eos_id)
+            results[k] = eos_only(len(source.ids), dst_eos_id)
         else:
             results[k] = EmptyCompletionError("src_ids decode to empty text and carry no EOS: there is nothing to bridge")
     if texts:
@@ -136,7 +136,7 @@ def retokenize_many(
         for i in slow:
             k, source = texts[i]
             try:
-                results[k] = _slow(src, dst, encoders.full, source, lists[i], dst_eos_id)
+                results[k] = aligned_by_offsets(src, dst, encoders.full, source, lists[i], dst_eos_id)
             except BridgeError as exc:
                 results[k] = exc
     return [results[k] for k in range(len(batch))]
@@ -184,7 +184,7 @@ def _sources(src: VocabProfile, batch: list[np.ndarray], dst_eos_id: int | None)
         try:
             n_end = 0 if special is None else split_eos(src, ids, special[firsts[k] : firsts[k + 1]], dst_eos_id)
             text_raw = raw_all if len(batch) == 1 else raw_all[at[k] : at[k + 1]]
-            out.append(Source(ids, n_end, text_raw, drops[k], _decoded(text_raw)))
+            out.append(Source(ids, n_end, text_raw, drops[k], decoded_text(text_raw)))
         except BridgeError as exc:
             out.append(exc)
     return out, spelled
@@ -236,7 +236,8 @@ def _fast(
     return []
 
 
-def _decoded(raw: bytes) -> str:
+def decoded_text(raw: bytes) -> str:
+    """The completion's text; a cut inside a UTF-8 character is an ``UndecodableTextError``."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -245,9 +246,11 @@ def _decoded(raw: bytes) -> str:
         ) from None
 
 
-def _slow(
+def aligned_by_offsets(
     src: VocabProfile, dst: VocabProfile, encoder: Tokenizer, source: Source, dst_list: list[int], dst_eos_id
 ) -> Aligned:
+    """The general path: spans from the destination's own offsets (text that normalises or merges across
+    the source's token boundaries in ways the per-token tables cannot follow)."""
     if not dst_list:
         raise AlignmentError(
             f"the destination tokenizer encodes the {len(source.text)}-character completion as no tokens"
@@ -262,7 +265,7 @@ def _slow(
     return _frozen(Aligned(source.text, dst_ids, span, n_dst_per_group, bool(source.n_end)))
 
 
-def _eos_only(n_src: int, dst_eos_id: int) -> Aligned:
+def eos_only(n_src: int, dst_eos_id: int) -> Aligned:
     """A completion that is only end tokens (or decodes to nothing before them): one group, one EOS."""
     groups = Groups(src=np.array([0, n_src]), dst=np.array([0, 1]), chars=np.array([0, 0]))
     span = SpanAlignment(np.zeros(n_src, np.int64), np.zeros(1, np.int64), groups, 0.0)

@@ -22,7 +22,7 @@ from tokenbridge.checks import checked_ids
 from tokenbridge.encoders import Encoders
 from tokenbridge.errors import EmptyCompletionError
 from tokenbridge.profile import SPECIAL, VocabProfile
-from tokenbridge.retokenize import Aligned, Source, _decoded, _eos_only, _slow, split_eos
+from tokenbridge.retokenize import Aligned, Source, aligned_by_offsets, decoded_text, eos_only, split_eos
 
 EMPTY = "src_ids decode to empty text and carry no EOS: there is nothing to bridge"
 
@@ -60,9 +60,9 @@ def align_one(
     raw = spelled.raw.tobytes()
     if not raw:
         if n_end:
-            return _eos_only(n, dst_eos_id)
+            return eos_only(n, dst_eos_id)
         raise EmptyCompletionError(EMPTY)
-    text = _decoded(raw)
+    text = decoded_text(raw)
     dst_list = encoders.ids_one(text)
     if dst.exact:
         dst_flat = array("I")
@@ -78,4 +78,4 @@ def align_one(
             span = SpanAlignment(src_group, dst_group, Groups(src_at, dst_at, chars), float(inexact[0]) / len(text))
             return Aligned(text, dst_ids, span, n_dst, bool(n_end))
     source = Source(np.asarray(ids, dtype=np.int64), n_end, raw, spelled.drop, text)
-    return _slow(src, dst, encoders.full, source, dst_list, dst_eos_id)
+    return aligned_by_offsets(src, dst, encoders.full, source, dst_list, dst_eos_id)

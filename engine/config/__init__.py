@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.cachedir import default_cache_root
+from tokenbridge.cachedir import default_cache_root
 from engine.config.load import ConfigError, Origin, convert, read_tree
 from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spec
 from engine.config.validate import validate

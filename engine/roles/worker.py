@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from engine.config import RunConfig, model_spec, tokenizer_cache
-from engine.roles import generator, learner
+from engine.roles import generator, learner, learner_core
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
@@ -92,7 +92,7 @@ class Worker:
         self.t0 = time.time()
         self._tokenizers: dict[str, object] = {}  # model -> tokenizer (host memory, kept)
         self.policies: dict[str, Policy] = {}  # the current role's modules
-        self.learners: dict[str, learner.LearnerCore] = {}  # model -> state, while this worker is its rank
+        self.learners: dict[str, learner_core.LearnerCore] = {}  # model -> state, while this worker is its rank
         self.resume = dict(plan.resume)  # model -> checkpoint; a learner role takes its model's entry once
         self.backend = None  # the generator role's inference engine
         self.reader = None  # the generator role's end of the weight channel ...

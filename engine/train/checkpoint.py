@@ -34,7 +34,7 @@ def model_dir(run_dir: str | os.PathLike, model: str) -> Path:
 
 
 def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
-    """Checkpoint ``core`` (an ``engine.roles.learner.LearnerCore``); returns the step directory."""
+    """Checkpoint ``core`` (an ``engine.roles.learner_core.LearnerCore``); returns the step directory."""
     root, version = model_dir(run_dir, core.model_name), core.state.version
     final = root / f"step-{version:06d}"
     if (root / LATEST).resolve() == final.resolve() and final.is_dir():

@@ -1,6 +1,5 @@
-"""Where this machine's cache of warm starts and converted tokenizers lives, when a run does not say.
-
-Its own module, free of heavy imports: the monitor and `launch.py cache` read it without torch.
+"""Where this machine's cache of converted tokenizers (and the engine's warm starts) lives, when a run does
+not say: the one place that decides it, read by the THL, the engine, the monitor and `launch.py cache`.
 """
 
 from __future__ import annotations

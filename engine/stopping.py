@@ -1,0 +1,68 @@
+"""The end of a run, one path whatever triggers it (every model done, the time limit, Ctrl-C/SIGTERM, a
+failure): generators halt first (their last experience reaches the log), then learners (leaders
+checkpoint and evaluate), then every process is stopped (join, SIGTERM, SIGKILL), so no process,
+socket or shared-memory slot outlives the run. ``run`` is the ``engine.coordinator.Coordinator``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+from engine.runtime import actors
+from engine.runtime.hub import stop_broker
+from engine.runtime.plane import Halt
+
+
+async def halt(run) -> None:
+    """Generators first (their last units reach the log), then learners (leaders checkpoint and evaluate)."""
+    run.stopping = True
+    t = run.cfg.timeouts
+    others = [w for w, (r, _) in run.roster.assignment.items() if r != "learner"]
+    await run.send_all([(w, Halt("end of run")) for w in others])
+    await _wait_exit(run, others, t.halt_s)
+    learners = [w for w, (r, _) in run.roster.assignment.items() if r == "learner"]
+    await run.send_all([(w, Halt("end of run")) for w in learners])
+    owed = [m for m in run.names if m not in run.failures.left]
+    deadline = time.time() + t.final_s
+    while (not all(m in run.finals for m in owed) and time.time() < deadline and _any_alive(run, learners)
+           and not run.failures.fatal):
+        await run.wait_changed(1.0)
+    missing = [m for m in owed if m not in run.finals]
+    if missing:
+        run.failures.fail(f"no final checkpoint and evaluation from {', '.join(missing)} "
+                          f"(timeouts.final_s={t.final_s:g})")
+
+
+async def _wait_exit(run, workers: list[str], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while _any_alive(run, workers) and time.time() < deadline and not run.failures.fatal:
+        await run.wait_changed(0.1)
+
+
+def _any_alive(run, workers: list[str]) -> bool:
+    return any(run.actors[w].alive for w in workers if w in run.actors)
+
+
+async def shutdown(run) -> None:
+    """Every process stopped (the broker last, after the workers), every socket, writer and temporary folder closed."""
+    run.stopping = True
+    for task in [*getattr(run, "tasks", []), getattr(run.failures, "watch", None)]:
+        if task is not None:
+            task.cancel()
+    procs, grace = list(run.actors.values()), run.cfg.timeouts.stop_s
+    await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], grace)
+    if "broker" in run.actors and run.actors["broker"].alive:
+        try:
+            await asyncio.wait_for(stop_broker(run.pub), grace)
+        except (TimeoutError, OSError):
+            pass  # stop_all below ends it
+    await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], grace)
+    await asyncio.to_thread(actors.stop_all, getattr(run, "prep_actors", []), 0.0)
+    for closer in ("sub", "pub", "plane", "metrics"):
+        if hasattr(run, closer):
+            getattr(run, closer).close()
+    if hasattr(run, "weights_root"):
+        shutil.rmtree(run.weights_root, ignore_errors=True)
+    shutil.rmtree(run.sock_dir, ignore_errors=True)

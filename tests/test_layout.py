@@ -1,0 +1,101 @@
+"""The layout ../shared/DESIGN.md asks for, checked on the source: imports flow one way, no import circle,
+no private name imported across modules, no module grown past 400 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "exchange", "tokenbridge", "policies", "tasks", "monitor")
+MAX_LINES = 400
+# each package, and the packages it may import; launch.py and benchmarks/ may import anything
+MAY_IMPORT = {
+    "exchange": set(),
+    "tokenbridge": set(),
+    "tasks": set(),
+    "policies": set(),
+    "engine": {"exchange", "tokenbridge", "policies", "tasks"},
+    "monitor": {"exchange", "tokenbridge", "policies", "tasks"},  # it reads run directories, not the engine
+}
+COMMANDS = {"engine.cli"}  # launch.py's subcommands: like launch.py, they may import any package
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _imports(path: Path, name: str) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import statement, lazy ones included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".")[: -node.level] if path.name != "__init__.py" else name.split(".")
+                base = ".".join(package + ([base] if base else []))
+            out.append((base, [a.name for a in node.names]))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for target, names in _imports(path, name):
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods]  # from pkg import submodule
+            for candidate in subs or [target]:
+                if candidate in mods and candidate != name:
+                    graph[name].add(candidate)
+    return graph
+
+
+def test_packages_import_only_what_the_design_allows():
+    wrong = []
+    for name, path in _modules().items():
+        own = name.split(".")[0]
+        if name in COMMANDS:
+            continue
+        for target, _ in _imports(path, name):
+            other = target.split(".")[0]
+            if other in MAY_IMPORT and other != own and other not in MAY_IMPORT[own]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, wrong
+
+
+def test_no_import_circle():
+    graph, state, circles = _graph(), {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, circles
+
+
+def test_no_private_name_imported_across_modules():
+    taken = [f"{name} takes {target}.{n}" for name, path in _modules().items()
+             for target, names in _imports(path, name) for n in names
+             if n.startswith("_") and not n.startswith("__") and target.split(".")[0] in PACKAGES]
+    assert not taken, taken
+
+
+def test_no_engine_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "engine").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
