@@ -34,8 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BAR = 0.95
 
 
-def samples_per_s(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def samples_per_s(records: list[dict]) -> float:
     start = min(r["time"] for r in records if r.get("event") == "start")
     steps = [r for r in records if r.get("event") == "step"]
     last = {}
@@ -89,9 +92,8 @@ def watch(run_dir: Path, stop: threading.Event) -> dict:
     return seen
 
 
-def paused_s(run_dir: Path) -> float:
+def paused_s(records: list[dict]) -> float:
     """Seconds the whole machine stood still during the run (the coordinator's ``paused`` records)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return sum(r["seconds"] for r in records if r.get("event") == "paused")
 
 
@@ -99,14 +101,15 @@ def one_run(work: Path, name: str, config: str, steps: int, sets: list[str], mon
     """A run's samples/s; measured again (twice at most) when the machine paused during it (a suspended or
     snapshotted VM stops every process alike, and its seconds would count as the run's)."""
     for attempt in range(3):
-        rate, seen, run_dir = _run_once(work, f"{name}-again{attempt}" if attempt else name, config, steps,
-                                        sets, monitored)
-        paused = paused_s(run_dir)
+        seen, run_dir = _run_once(work, f"{name}-again{attempt}" if attempt else name, config, steps, sets,
+                                  monitored)
+        records = run_records(run_dir)
+        paused = paused_s(records)
         if not paused:
             break
         print(f"{run_dir.name}: the machine stood still for {paused:.0f}s during the run; measured again",
               flush=True)
-    return rate, seen
+    return samples_per_s(records), seen
 
 
 def _run_once(work: Path, name: str, config: str, steps: int, sets: list[str], monitored: bool):
@@ -126,7 +129,7 @@ def _run_once(work: Path, name: str, config: str, steps: int, sets: list[str], m
         watcher.join(60)
     if code != 0:
         raise SystemExit(f"{name}: launch.py run exited {code}; see {run_dir}")
-    return samples_per_s(run_dir), seen, run_dir
+    return seen, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:

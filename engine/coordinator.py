@@ -39,11 +39,11 @@ from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json
-from engine.stopping import halt, shutdown
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
+from engine.stopping import halt, shutdown
 from engine.weights.channel import channel_root
 from exchange.protocol import Stats
 from tasks.registry import make_task
