@@ -29,6 +29,9 @@ async def halt(run) -> None:
     while (not all(m in run.finals for m in owed) and time.time() < deadline and _any_alive(run, learners)
            and not run.failures.fatal):
         await run.wait_changed(1.0)
+    grace = time.time() + t.stop_s  # a learner's final, sent just before its process exited, may still be in the plane
+    while not all(m in run.finals for m in owed) and time.time() < grace and not run.failures.fatal:
+        await run.wait_changed(0.1)
     missing = [m for m in owed if m not in run.finals]
     if missing:
         run.failures.fail(f"no final checkpoint and evaluation from {', '.join(missing)} "

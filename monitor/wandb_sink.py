@@ -83,6 +83,9 @@ def export(run_dir: Path, mode: str, ended: Callable[[], bool], poll_s: float = 
                     break
                 time.sleep(poll_s)
         run.finish()
+        # offline, finish() returns before W&B's service has written the log's tail (seen: a header-only
+        # file): tearing the service down waits for it, so the run on disk is whole when we say where it is
+        wandb.teardown()
         return Path(run.settings.sync_dir)
     except Exception as exc:  # noqa: BLE001 - W&B is a side channel: one line, never the run's failure
         print(f"warning: W&B logging of {run_dir} stopped: {type(exc).__name__}: {exc}".splitlines()[0],

@@ -33,6 +33,8 @@ _CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engi
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+DRAIN_ZMQ_S = 3.0  # the worker plane's linger is 2 s
+
 def start_server() -> None:
     """Start the fork server now (it loads torch and the roles in the background, beside whatever
     this process does next); the first ``spawn`` otherwise starts it and waits for it.
@@ -86,6 +88,22 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(3)  # the coordinator died (and with it the fork server, our parent): leave at once
 
 
+def _drain_zmq(timeout_s: float) -> None:
+    """Let ZeroMQ's I/O thread send what closed sockets still hold (their linger) before we leave.
+
+    ``os._exit`` skips the context's termination, and a socket's close only hands its queue to that
+    thread: a learner's last plane message (its final evaluation) was lost this way under load. The
+    wait is bounded, so a socket left open cannot hang the exit."""
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return
+    contexts = [getattr(cls, "_instance", None) for cls in (zmq.Context, getattr(zmq, "asyncio", zmq).Context)]
+    for ctx in {id(c): c for c in contexts if c is not None and not c.closed}.values():
+        done = threading.Thread(target=ctx.term, daemon=True)
+        done.start()
+        done.join(timeout_s)
+
+
 def actor_main(entry: str, payload: bytes, threads: int) -> None:
     """Child-process entry: ``entry`` is "module:function" taking the payload bytes; a coroutine
     function runs on uvloop, a plain function runs as is."""
@@ -120,6 +138,7 @@ def actor_main(entry: str, payload: bytes, threads: int) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    _drain_zmq(DRAIN_ZMQ_S)
     os._exit(int(code or 0))  # skip interpreter teardown: gloo/zmq threads must not hang the exit
 
 
