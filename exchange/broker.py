@@ -13,7 +13,8 @@ is a spawn target, ``python -m exchange.broker`` the command line). Invariants:
   before it is routed,
   once: an experience id the log holds already (a publisher re-sending what a broker that
   died never confirmed; the ids of an existing log are read on start) is counted in
-  ``Stats.duplicate_total`` and neither logged nor routed again.
+  ``Stats.duplicate_total`` and neither logged nor routed again. Of the ids, the newest
+  ``dedupe_ids // 2`` at least are remembered (a re-send is recent: memory stays bounded).
   A publisher's ``Sync`` is answered after everything it sent before has been handled.
 - Routing keeps order per subscriber. A subscriber whose socket queue is full gets a
   backlog here, bounded by ``backlog_messages``. Lossless subscribers over the bound
@@ -66,6 +67,40 @@ MAX_SENDERS_SHOWN = 32  # per-sender reject counts in Stats: the worst offenders
 def sender_name(identity: bytes) -> str:
     """How logs and Stats name a publisher connection (ZeroMQ's routing id of it)."""
     return f"peer-{identity.hex()}"
+
+
+class _RecentIds:
+    """Recent experience ids, for refusing re-sends in bounded memory: at least the newest
+    ``limit // 2``, at most ``limit`` (two generations of sets: the older is dropped when the newer fills).
+
+    A publisher re-sends only what a broker never confirmed (``Publisher.keep_unconfirmed_bytes`` a
+    publisher, 16 MB by default), so only recent ids can come again; a run of millions of
+    experiences would otherwise hold every id for its whole length."""
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(limit // 2, 1)
+        self._new: set[str] = set()
+        self._old: set[str] = set()
+
+    def add(self, experience_id: str) -> None:
+        self._new.add(experience_id)
+        if len(self._new) >= self.half:
+            self._old, self._new = self._new, set()
+
+    def first_seen(self, messages: list) -> list[int]:
+        """The indices of ``messages`` that are not an Experience already seen (each is remembered now)."""
+        keep = []
+        new, old, half = self._new, self._old, self.half
+        for i, m in enumerate(messages):
+            if type(m) is Experience:
+                eid = m.experience_id
+                if eid in new or eid in old:
+                    continue
+                new.add(eid)
+                if len(new) >= half:
+                    self._old, self._new = old, new = new, set()
+            keep.append(i)
+        return keep
 
 
 @dataclass
@@ -124,9 +159,11 @@ class Broker:
         self._link_decoder = Decoder((Subscribe, Unsubscribe), config.max_frame_bytes)
         self._encoder = Encoder(config.max_frame_bytes)
         self._log = ExperienceLogWriter(config.log_dir, config.segment_bytes) if config.log_dir else None
-        # the ids of everything logged: a restarted broker reopens the log and refuses what it holds already
-        self._logged_ids: set[str] | None = (
-            {e.experience_id for e in ExperienceLogReader(config.log_dir)} if self._log else None)
+        # the newest ids logged: a restarted broker reopens the log and refuses what it holds already
+        self._logged_ids = _RecentIds(config.dedupe_ids) if self._log else None
+        if self._logged_ids is not None:
+            for e in ExperienceLogReader(config.log_dir):
+                self._logged_ids.add(e.experience_id)
         self.duplicates = 0
         self._subs: dict[bytes, _Subscriber] = {}
         self._stopping = False
@@ -233,13 +270,7 @@ class Broker:
 
     def _without_repeats(self, frame: Frame) -> Frame:
         """``frame`` less the experiences whose id is logged already (counted in ``duplicates``)."""
-        seen, keep = self._logged_ids, []
-        for i, m in enumerate(frame.messages):
-            if type(m) is Experience:
-                if m.experience_id in seen:
-                    continue
-                seen.add(m.experience_id)
-            keep.append(i)
+        keep = self._logged_ids.first_seen(frame.messages)
         if len(keep) == len(frame.messages):
             return frame
         self.duplicates += len(frame.messages) - len(keep)

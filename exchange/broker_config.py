@@ -25,6 +25,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backlog_messages: int = 16384  # per-subscriber backlog bound kept by the broker
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # larger frames are rejected unread
     max_rejects_per_sender: int = 1000  # bad messages from one connection before it is cut off
+    dedupe_ids: int = 1 << 21  # at most this many ids remembered to refuse re-sends, the newest half at least
     stats_interval_s: float = 1.0
     drain_timeout_s: float = 5.0  # on stop, how long to keep delivering backlogs
     name: str = "broker"  # Control target and Stats worker id
@@ -55,7 +56,8 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("curve_secret_key and curve_allowed_dir go together: set both, or neither")
         if self.frontend == self.backend:
             raise ConfigError("frontend and backend must be different endpoints")
-        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes", "max_rejects_per_sender"):
+        for key in ("segment_bytes", "hwm_frames", "backlog_messages", "max_frame_bytes", "max_rejects_per_sender",
+                    "dedupe_ids"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} = {getattr(self, key)} must be > 0")
         if not self.stats_interval_s > 0 or not self.drain_timeout_s >= 0:

@@ -100,8 +100,15 @@ async def _until(predicate, timeout: float) -> None:
     await asyncio.wait_for(poll(), timeout)
 
 
-def test_a_broker_on_an_existing_log_refuses_the_ids_it_holds_and_counts_them(tmp_path):
+@pytest.mark.parametrize("window, remembered", [(None, range(10)), (8, range(4, 10))])
+def test_a_broker_on_an_existing_log_refuses_the_ids_it_holds_and_counts_them(tmp_path, window, remembered):
+    """With ``dedupe_ids`` below the log's length only the newest ids are refused, half of it at least
+    (here 4 + the 2 of an unfilled generation): memory stays bounded."""
     cfg = _config(tmp_path)
+    if window is not None:
+        cfg.dedupe_ids = window
+    # a re-send is the log's tail (then new ids); an id older than the window is taken as new
+    sends = list(range(15)) if window is None else [*remembered, *range(10, 15), 0]
     with ExperienceLogWriter(cfg.log_dir) as log:
         log.append([make_experience(i, "m0", completion_tokens=8, text_chars=20) for i in range(10)])
 
@@ -112,10 +119,11 @@ def test_a_broker_on_an_existing_log_refuses_the_ids_it_holds_and_counts_them(tm
         seen, stats = collections.Counter(), []
         receiving = asyncio.create_task(_receive_all(sub, seen, stats))
         pub = Publisher(cfg.frontend)
-        for i in range(15):  # a publisher re-sending 0..9, which the log holds, then 10..14
+        for i in sends:  # a publisher re-sending ids the log holds, then 10..14
             await pub.send(make_experience(i, "m0", completion_tokens=8, text_chars=20))
         await pub.sync(timeout=30)
-        await _until(lambda: len(seen) == 5 and any(s.duplicate_total == 10 for s in stats), 30)
+        await _until(lambda: len(seen) == len(sends) - len(remembered)
+                     and any(s.duplicate_total == len(remembered) for s in stats), 30)
         receiving.cancel()
         pub.close()
         sub.close()
@@ -124,9 +132,10 @@ def test_a_broker_on_an_existing_log_refuses_the_ids_it_holds_and_counts_them(tm
         return seen, stats
 
     seen, stats = asyncio.run(main())
-    assert set(seen) == {make_experience(i, "m0").experience_id for i in range(10, 15)}
+    assert set(seen) == {make_experience(i, "m0").experience_id for i in sends if i not in remembered}
+    assert max(seen.values()) == 1 and max(s.duplicate_total for s in stats) == len(remembered)
     log = collections.Counter(e.experience_id for e in ExperienceLogReader(cfg.log_dir))
-    assert len(log) == 15 and max(log.values()) == 1
+    assert len(log) == 15 and sum(log.values()) == 10 + len(sends) - len(remembered)
 
 
 def test_a_sync_answered_after_a_dropped_link_re_sends_what_the_drop_lost(tmp_path):
