@@ -37,7 +37,6 @@ class Ingest:
         self._prompts: dict[int, np.ndarray] = {}
         self.failures = 0
         self.late = 0
-        self.last_popped: list[OwnSample] = []
 
     def add(self, exp: Experience) -> None:
         self.add_many([exp])
@@ -138,7 +137,6 @@ class Ingest:
         for p in prompts:
             for m in self.bridges:
                 self.peer_counts.pop((m, p), None)
-        self.last_popped = own
         return own, peers, misses
 
     def peers_complete(self, prompts: list[int], models: list[str]) -> bool:
