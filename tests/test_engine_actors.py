@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import zmq
+import zmq.asyncio
 
 from engine.runtime import actors
 from engine.runtime.plane import CoordinatorPlane, LearnerFinal, WorkerPlane
@@ -22,6 +24,27 @@ async def _last_words(endpoint: str) -> int:
 
 def last_words(payload: bytes):
     return _last_words(msgspec.msgpack.decode(payload))
+
+
+async def _left_open(endpoint: str) -> int:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, -1)  # holds its message for ever: nothing listens at the endpoint
+    sock.connect(endpoint)
+    await sock.send(b"nobody hears this")
+    return 0  # the socket is left open: terminating its context alone would wait for ever
+
+
+def left_open(payload: bytes):
+    return _left_open(msgspec.msgpack.decode(payload))
+
+
+def test_an_actor_that_leaves_a_socket_open_still_exits(tmp_path):
+    actor = actors.spawn("left-open", "tests.test_engine_actors:left_open",
+                         msgspec.msgpack.encode(f"ipc://{tmp_path}/nobody"))
+    actor.process.join(60)
+    alive = actor.alive
+    actors.stop_all([actor], 0)
+    assert not alive and actor.exitcode == 0
 
 
 def test_the_last_message_of_an_actor_reaches_the_coordinator(tmp_path):
