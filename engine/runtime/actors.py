@@ -31,9 +31,8 @@ _CTX = mp.get_context("forkserver")
 # What every actor imports: loaded once, in the fork server (an import that fails there is only skipped).
 _CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engine.runtime.hub", "uvloop"])
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+DRAIN_ZMQ_S = 3.0  # how long an exiting actor lets ZeroMQ send what it holds (the worker plane's linger is 2 s)
 
-
-DRAIN_ZMQ_S = 3.0  # the worker plane's linger is 2 s
 
 def start_server() -> None:
     """Start the fork server now (it loads torch and the roles in the background, beside whatever
