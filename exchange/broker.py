@@ -82,11 +82,6 @@ class _RecentIds:
         self._new: set[str] = set()
         self._old: set[str] = set()
 
-    def add(self, experience_id: str) -> None:
-        self._new.add(experience_id)
-        if len(self._new) >= self.half:
-            self._old, self._new = self._new, set()
-
     def first_seen(self, messages: list) -> list[int]:
         """The indices of ``messages`` that are not an Experience already seen (each is remembered now)."""
         keep = []
@@ -163,7 +158,7 @@ class Broker:
         self._logged_ids = _RecentIds(config.dedupe_ids) if self._log else None
         if self._logged_ids is not None:
             for e in ExperienceLogReader(config.log_dir):
-                self._logged_ids.add(e.experience_id)
+                self._logged_ids.first_seen([e])
         self.duplicates = 0
         self._subs: dict[bytes, _Subscriber] = {}
         self._stopping = False
