@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from policies.lora import LoraSpec
 from policies.models import ModelSpec
 from policies.objectives import ObjectiveConfig, SGTConfig
 from tasks.registry import ArithmeticConfig, TaskConfig
@@ -28,6 +29,7 @@ class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
     """A model of the run: its spec plus its own training knobs."""
 
     lr: float | None = None  # per-model learning rate; None = train.lr
+    lora: LoraSpec | None = None  # train LoRA adapters on the frozen warm start instead of every weight (peft)
     warmstart_steps: int | None = None  # per-model warm-start length; None = warmstart.steps
 
 

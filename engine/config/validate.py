@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.config.load import ConfigError, Origin
 from engine.config.schema import RunConfig
+from policies.lora import peft_missing
 
 
 def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunConfig:
@@ -30,6 +31,8 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             raise origin.error(f"models.{i}.name", f"{m.name!r} must be letters, digits, '-' or '_'")
         if names.count(m.name) > 1:
             raise origin.error(f"models.{i}.name", f"{m.name!r} is used twice; names must be unique")
+        if m.lora is not None and check_machine and (problem := peft_missing()):
+            raise origin.error(f"models.{i}.lora", problem)
         if m.checkpoint is not None and check_machine:
             problem = checkpoint_problem(Path(m.checkpoint))
             if problem:

@@ -59,7 +59,7 @@ class LearnerCore:
         self.module.train()
         self.pad_id = pad_token_id(self.tok)
         self.lr = self.spec.lr or cfg.train.lr
-        optimizer = adamw(self.module.parameters(), lr=self.lr, betas=cfg.train.adam_betas)
+        optimizer = adamw([p for p in self.module.parameters() if p.requires_grad], lr=self.lr, betas=cfg.train.adam_betas)
         # a CPU generator on any device: its state is what sync_state broadcasts and state_digest hashes
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + cfg.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
@@ -92,7 +92,8 @@ class LearnerCore:
         self.writer = WeightWriter(w.plan_channel(self.model_name), self.module)
         acc = w.plan.warm_accuracy.get(self.model_name, [None, None])
         self.warm = {"warm_accuracy": acc[0], "warm_accuracy_stderr": acc[1]}
-        self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version, **self.warm)
+        self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version,
+                           weight_sync_bytes=self.writer.nbytes, **self.warm)
         tb_dir = Path(w.plan.run_dir) / "tensorboard" / self.model_name
         self.tb = EventWriter(tb_dir) if self.cfg.run.tensorboard else None
         self.log_scalars(self.state.version, self.warm)

@@ -25,13 +25,14 @@ from pathlib import Path
 import msgspec
 import torch
 
-from engine.config import RunConfig, model_spec, tokenizer_cache
+from engine.config import ModelConfig, RunConfig, model_spec, tokenizer_cache
 from engine.roles import generator, learner, learner_core
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
                                   WorkerPlane, WorkUnit)
 from exchange.transport import Publisher
+from policies.lora import add_adapters, load_adapters
 from policies.models import build_policy
 from tasks.registry import make_task
 from tokenbridge import load_tokenizer
@@ -52,6 +53,17 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     warm_checkpoints: dict[str, str]  # model -> warm-start checkpoint
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
     resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
+
+
+def start_module(cfg: RunConfig, m: ModelConfig, tok, warm: str, resume: str | None) -> torch.nn.Module:
+    """A model as its RL starts: the warm start, or the checkpoint of a resumed run. With LoRA, the warm
+    start is the frozen base of every process, under adapters seeded alike everywhere or resumed."""
+    if m.lora is None:
+        return build_policy(model_spec(m, resume or warm), tok)
+    module = add_adapters(build_policy(model_spec(m, warm), tok), m.lora, cfg.run.seed * 1000 + cfg.names.index(m.name))
+    if resume:
+        load_adapters(module, resume)
+    return module
 
 
 def worker_device(cfg: RunConfig, index: int) -> torch.device:
@@ -155,8 +167,8 @@ class Worker:
             if model not in self._tokenizers:
                 self._tokenizers[model] = load_tokenizer(m.tokenizer, tokenizer_cache(self.cfg))
             tok = self._tokenizers[model]
-            start = self.plan.resume.get(model) or self.plan.warm_checkpoints[model]
-            module = build_policy(model_spec(m, start), tok).to(self.device)
+            module = start_module(self.cfg, m, tok, self.plan.warm_checkpoints[model], self.plan.resume.get(model))
+            module = module.to(self.device)
             self.policies[model] = Policy(tok, module)
         return self.policies[model]
 

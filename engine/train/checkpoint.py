@@ -3,7 +3,9 @@
 A step directory is a save_pretrained model (safetensors, with the tokenizer) that any
 tool loads, plus what resuming needs: ``trainer.pt`` (AdamW state, the sampling RNG) and
 ``state.json`` (step = weight version, the prompt ids this learner has trained on, its
-running totals). It is written whole into a hidden temporary directory, fsync'd, renamed
+running totals). With LoRA the model is saved with its adapters merged in, and the
+adapters alone (``policies.lora.ADAPTER_FILE``) are what a resume puts back on the warm
+start. It is written whole into a hidden temporary directory, fsync'd, renamed
 into place, and only then does the ``latest`` symlink move to it (itself replaced by a
 rename), so a crash at any moment leaves ``latest`` naming a complete checkpoint. The
 newest ``run.keep_checkpoints`` step directories are kept.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged
 from policies.models import save_policy
 
 LATEST = "latest"
@@ -44,7 +47,10 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     state = {"step": version, "consumed": sorted(core.ingest.consumed), "totals": core.totals}
     tmp = root / f".step-{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(core.module, core.tok, tmp, {TRAINER: trainer.getvalue(), STATE: json.dumps(state).encode()})
+    module, files = core.module, {TRAINER: trainer.getvalue(), STATE: json.dumps(state).encode()}
+    if has_adapters(module):  # LoRA: the trained policy for any tool, and the adapters to resume from
+        module, files[ADAPTER_FILE] = merged(module), adapter_bytes(module)
+    save_policy(module, core.tok, tmp, files)
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)

@@ -75,11 +75,13 @@ def _owner_alive(root: Path) -> bool:
 
 
 def sync_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters in a stable order, tied weights counted once."""
+    """Parameters in a stable order, tied weights counted once; only the trained ones when part of the model
+    is frozen (LoRA's adapters: every process holds the same frozen base, the warm start)."""
     seen: set[int] = set()
     out = []
+    frozen = any(not p.requires_grad for p in model.parameters())
     for p in model.parameters():
-        if id(p) not in seen:
+        if id(p) not in seen and (p.requires_grad or not frozen):
             seen.add(id(p))
             out.append(p)
     return out
