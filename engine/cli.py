@@ -43,17 +43,22 @@ def open_run(args: argparse.Namespace):
 
 
 def preflight(cfg) -> None:
-    """Fail before starting anything if a tokenizer or the task cannot be loaded."""
-    from engine.config import ConfigError, tokenizer_cache
+    """Fail before starting anything if a tokenizer or the task cannot be loaded, or LoRA cannot adapt a model."""
+    from engine.config import ConfigError, model_spec, tokenizer_cache
+    from policies.lora import lora_problem
+    from policies.models import skeleton
     from tasks.jsonl import TaskFileError
     from tasks.registry import make_task
     from tokenbridge import TokenizerLoadError, load_tokenizer
 
     for i, m in enumerate(cfg.models):
         try:
-            load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
+            tok = load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
         except TokenizerLoadError as exc:
             raise ConfigError(f"models.{i}.tokenizer: {exc}") from None
+        if m.lora is not None:  # a target the model lacks: now, not in every worker after the warm start
+            if problem := lora_problem(skeleton(model_spec(m), tok), m.lora):
+                raise ConfigError(f"models.{i}.lora: {problem}")
     try:
         make_task(cfg.task)
     except (OSError, ValueError, TaskFileError) as exc:

@@ -66,6 +66,15 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.
     return model
 
 
+def lora_problem(model: torch.nn.Module, spec: LoraSpec) -> str | None:
+    """Why ``spec`` cannot adapt ``model`` (a ``policies.models.skeleton`` is enough), or None."""
+    try:
+        add_adapters(model, spec, seed=0)
+    except ValueError as exc:
+        return str(exc).removeprefix("lora: ")
+    return None
+
+
 def has_adapters(model: torch.nn.Module) -> bool:
     return any(".lora_" in name for name, _ in model.named_parameters())
 

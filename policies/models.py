@@ -83,6 +83,14 @@ def build_policy(
     return model.float().eval()
 
 
+def skeleton(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The model's modules with no weights (on the meta device): for checks that need only its structure."""
+    with torch.device("meta"):
+        if spec.checkpoint is not None:
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.checkpoint))
+        return build_policy(spec, tokenizer)
+
+
 def _from_config(spec: ModelSpec, config: PretrainedConfig) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_config(config)

@@ -126,6 +126,16 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("lora, named", [("{targets=['no_such_proj']}", "no_such_proj"), ("{rank=0}", "rank"),
+                                         ("{rank=4, alphas=8}", "alphas")])
+def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lora, named):
+    result = _launch("run", "--config", str(SMOKE), "--set", f"models.1.lora={lora}", "--run-dir",
+                     str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "models.1.lora" in result.stderr and named in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
 def test_launch_help_lists_subcommands(tmp_path):
     result = _launch("--help", cwd=tmp_path)
     assert result.returncode == 0
