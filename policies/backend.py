@@ -56,7 +56,9 @@ class GenerationBackend(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights (all of them) from tensors and record their version."""
+        """New weights from tensors, by name (HFBackend: all of them; sglang: those sent), and their version.
+
+        A name the model does not have is an error."""
         ...
 
     def release_memory(self) -> None:
@@ -65,6 +67,10 @@ class GenerationBackend(Protocol):
 
     def resume_memory(self) -> None:
         """Take the memory again; generation continues with the weights held before the release."""
+        ...
+
+    def close(self) -> None:
+        """The worker is done with this backend (a role switch): stop what it started."""
         ...
 
 
@@ -120,6 +126,9 @@ class HFBackend:
     def resume_memory(self) -> None:
         self.model.to(self.device)
         self.released = False
+
+    def close(self) -> None:
+        pass  # the model is the worker's: it goes when the worker drops it
 
     def _check_held(self, what: str) -> None:
         if self.released:

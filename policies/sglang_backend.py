@@ -47,6 +47,7 @@ class Transport(Protocol):
     def update_weights(self, named: NamedTensors, version: int) -> None: ...
     def release(self) -> None: ...
     def resume(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def sglang_serializer(named: NamedTensors) -> str:
@@ -92,6 +93,9 @@ class SglangHTTP:
     def resume(self) -> None:
         self.post("/resume_memory_occupation", {})
 
+    def close(self) -> None:
+        pass  # the server is not ours to stop
+
 
 class SglangEngine:
     """sglang's in-process `Engine` (the colocated path: tensors are handed over without copies)."""
@@ -122,6 +126,9 @@ class SglangEngine:
 
     def resume(self) -> None:
         self.engine.resume_memory_occupation()
+
+    def close(self) -> None:
+        self.engine.shutdown()  # its scheduler processes and their GPU memory
 
 
 def _check_success(what: str, answer: Any) -> None:
@@ -171,9 +178,26 @@ class SglangBackend:
         self.transport.resume()
         self.released = False
 
+    def close(self) -> None:
+        self.transport.close()
+
     def _check_held(self, what: str) -> None:
         if self.released:
             raise BackendReleased(f"{what}: the backend's memory is released; call resume_memory() first")
+
+
+def sglang_backend(eos_token_id: int, url: str = "", tensors: str = "ipc", model_path: str = "", gpu: int = 0,
+                   seed: int = 0, engine_args: dict | None = None) -> SglangBackend:
+    """A generator's backend: over the server at ``url``, else over an Engine of ``model_path`` on GPU ``gpu``.
+
+    It starts holding no weights of the run (version -1), so the first load pushes the current ones."""
+    if url:
+        transport: Transport = SglangHTTP(url, serialize=encode_tensors if tensors == "safetensors" else sglang_serializer)
+    else:
+        transport = SglangEngine.launch(model_path, seed=seed, base_gpu_id=gpu, **(engine_args or {}))
+    backend = SglangBackend(transport, eos_token_id)
+    backend.version = -1
+    return backend
 
 
 def sample_from_output(output: dict, eos_token_id: int) -> Sample:

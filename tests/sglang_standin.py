@@ -16,8 +16,10 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
 from safetensors.torch import load
 
+from engine.train.group import params_digest
 from policies.backend import HFBackend
 
 
@@ -28,6 +30,7 @@ class StandIn:
         self.backend = backend
         self.requests: list[tuple[str, dict]] = []  # every request, in order, for the tests to read
         self.released = False
+        self.digests: dict[int, str] = {}  # weight version -> params_digest of the weights it was sent
         self.lock = threading.Lock()  # one request at a time: sglang's scheduler serialises them too
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
 
@@ -73,9 +76,15 @@ class StandIn:
             return 200, {"success": False, "message": "weights are released"}
         (payload,) = body["serialized_named_tensors"]
         try:
-            self.backend.load_state_dict(load(base64.b64decode(payload)), int(body["weight_version"]))
-        except RuntimeError as exc:  # a missing or misshapen tensor
+            tensors = load(base64.b64decode(payload))
+            with torch.no_grad():  # by name, as sglang updates: the tensors sent, each one known
+                unknown = self.backend.model.load_state_dict(tensors, strict=False).unexpected_keys
+            if unknown:
+                raise RuntimeError(f"no such weights: {unknown[:3]}")
+        except RuntimeError as exc:  # an unknown or misshapen tensor
             return 200, {"success": False, "message": str(exc)[:200]}
+        self.backend.version = int(body["weight_version"])
+        self.digests[self.backend.version] = params_digest(self.backend.model)
         return 200, {"success": True, "message": "Succeeded to update model weights."}
 
     def _release(self, body: dict) -> tuple[int, object]:

@@ -126,6 +126,19 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("generation, named", [
+    ("{backend='sglang'}", 'needs pool.device = "cuda"'),
+    ("{backend='sglang', sglang_url='localhost:30000', sglang_tensors='safetensors'}", "not an http(s)://host:port URL"),
+    ("{backend='vllm'}", "backend"),
+])
+def test_launch_refuses_a_generation_backend_it_cannot_run(tmp_path, generation, named):
+    result = _launch("run", "--config", str(SMOKE), "--set", f"models.0.generation={generation}", "--run-dir",
+                     str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "models.0.generation" in result.stderr, result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("lora, named", [("{targets=['no_such_proj']}", "no_such_proj"), ("{rank=0}", "rank"),
                                          ("{rank=4, alphas=8}", "alphas")])
 def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lora, named):

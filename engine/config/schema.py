@@ -25,10 +25,21 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pass
 
 
+class GenerationConfig(_Section):
+    """`[models.generation]`: the engine that samples a model's completions (policies/backend.py)."""
+
+    backend: Literal["hf", "sglang"] = "hf"  # hf: transformers on the worker's device; sglang: an extra, needs CUDA
+    sglang_url: str = ""  # a running sglang server (http://host:port); "" = sglang's Engine in the worker, on its GPU
+    # how weights reach a server: sglang's CUDA IPC handles (colocated), or safetensors bytes (a server that takes them)
+    sglang_tensors: Literal["ipc", "safetensors"] = "ipc"
+    sglang_args: dict[str, str | int | float | bool] = {}  # more sglang.Engine arguments (mem_fraction_static, ...)
+
+
 class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
     """A model of the run: its spec plus its own training knobs."""
 
     lr: float | None = None  # per-model learning rate; None = train.lr
+    generation: GenerationConfig = GenerationConfig()
     lora: LoraSpec | None = None  # train LoRA adapters on the frozen warm start instead of every weight (peft)
     warmstart_steps: int | None = None  # per-model warm-start length; None = warmstart.steps
 

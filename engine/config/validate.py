@@ -33,10 +33,28 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             raise origin.error(f"models.{i}.name", f"{m.name!r} is used twice; names must be unique")
         if m.lora is not None and check_machine and (problem := peft_missing()):
             raise origin.error(f"models.{i}.lora", problem)
+        if m.generation.backend == "sglang":
+            _sglang(cfg, m, f"models.{i}", origin, check_machine)
         if m.checkpoint is not None and check_machine:
             problem = checkpoint_problem(Path(m.checkpoint))
             if problem:
                 raise origin.error(f"models.{i}.checkpoint", problem)
+
+
+def _sglang(cfg: RunConfig, m, key: str, origin: Origin, check_machine: bool) -> None:
+    g = m.generation
+    if m.lora is not None:
+        raise origin.error(f"{key}.lora", "LoRA is not wired to the sglang backend yet (its generators would need "
+                                          'merged weights); use generation.backend = "hf"')
+    if g.sglang_url and not g.sglang_url.startswith(("http://", "https://")):
+        raise origin.error(f"{key}.generation.sglang_url", f"{g.sglang_url!r} is not an http(s)://host:port URL")
+    if not g.sglang_url and cfg.pool.device != "cuda":
+        raise origin.error(f"{key}.generation.backend", '"sglang" runs sglang\'s Engine on each generator\'s GPU and '
+                                                        'needs pool.device = "cuda" (or a running server: sglang_url)')
+    needs_sglang = not g.sglang_url or g.sglang_tensors == "ipc"
+    if needs_sglang and check_machine and importlib.util.find_spec("sglang") is None:
+        raise origin.error(f"{key}.generation.backend", "sglang is not installed: pip install -c constraints.txt "
+                                                        "-e '.[sglang]' (it needs CUDA)")
 
 
 def checkpoint_problem(path: Path) -> str | None:

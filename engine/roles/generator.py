@@ -21,8 +21,9 @@ from engine.runtime.plane import HandBack, Order, UnitDone, WantWork, WorkUnit
 from engine.train.group import params_digest
 from engine.weights.channel import WeightReader, WeightSyncError
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
-from policies.backend import HFBackend
+from policies.backend import GenerationBackend, HFBackend
 from policies.models import pad_token_id
+from policies.sglang_backend import sglang_backend
 from policies.templates import prompt_ids
 
 
@@ -32,9 +33,9 @@ async def generate_role(worker, order: Order) -> None:
     tok = policy.tokenizer
     worker.reader = reader = WeightReader(worker.plan_channel(model), policy.module)
     worker.reader_model = model
-    worker.backend = backend = HFBackend(policy.module, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id(tok),
-                                         device=worker.device)
+    worker.backend = backend = make_backend(worker, model, policy)
     policy.version = reader.load()
+    await asyncio.to_thread(_push_weights, backend, policy)
     worker.acquired()
     worker.role_now = ("generator", model)
     asked, checked, idle, window_start = False, False, 0.0, time.time()
@@ -52,6 +53,7 @@ async def generate_role(worker, order: Order) -> None:
             unit, asked = worker.inbox.work.popleft(), False
             started = time.time()  # a unit's budget covers loading the newest weights too
             policy.version = await _weights_for(worker, reader, unit)
+            await asyncio.to_thread(_push_weights, backend, policy)
             exps, timeouts = await asyncio.to_thread(sample_unit, worker, backend, tok, unit, policy.version, started)
             await worker.pad_to_budget("gen", model, started, len(exps))
             for exp in exps:
@@ -75,6 +77,26 @@ async def generate_role(worker, order: Order) -> None:
             await worker.plane.send(HandBack(worker.id, worker.inbox.work.popleft()))
 
 
+def make_backend(worker, model: str, policy) -> GenerationBackend:
+    """The model's ``generation.backend``: transformers sampling from the worker's module, or sglang."""
+    g, tok = worker.cfg.model(model).generation, policy.tokenizer
+    if g.backend == "hf":
+        return HFBackend(policy.module, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id(tok),
+                         device=worker.device)
+    return sglang_backend(tok.eos_token_id, g.sglang_url, g.sglang_tensors, worker.plan.warm_checkpoints[model],
+                          gpu=worker.device.index or 0, seed=worker.cfg.run.seed, engine_args=g.sglang_args)
+
+
+def _push_weights(backend: GenerationBackend, policy) -> None:
+    """HFBackend samples from the module the weight channel fills; a backend holding its own copy (sglang)
+    is sent each new version from it, between units."""
+    if isinstance(backend, HFBackend):
+        backend.version = policy.version
+    elif backend.version != policy.version:
+        # by parameter, as sglang takes updates: tied weights once, under the name its loader knows
+        backend.load_state_dict({n: p.detach() for n, p in policy.module.named_parameters()}, policy.version)
+
+
 async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
     """The newest weights, and at least the version the unit asks for (sync mode), within ``weights_s``."""
     deadline = time.time() + worker.cfg.timeouts.weights_s
@@ -86,7 +108,7 @@ async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
     return version
 
 
-def sample_unit(worker, backend: HFBackend, tok, unit: WorkUnit, version: int,
+def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version: int,
                 started: float) -> tuple[list[Experience], int]:
     """G completions for each prompt of ``unit``, verified and scored, as Experience messages; and how many
     of them the verifier ran out of time on (judged wrong)."""

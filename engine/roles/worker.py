@@ -127,6 +127,8 @@ class Worker:
         self.listener.cancel()
         for core in self.learners.values():
             core.close()
+        if self.backend is not None:
+            self.backend.close()  # an sglang Engine's processes go with the worker
         self._end_generator(keep_module=False)
         self.pub.close()
         self.plane.close()
@@ -218,6 +220,7 @@ class Worker:
         keep = model if role in ("generator", "learner") else None
         dropped: list[weakref.ref] = []
         if self.backend is not None:
+            self.backend.close()
             dropped.append(weakref.ref(self.backend))
             self.backend = None
         self._end_generator(keep_module=self.reader is not None and self.reader_model == keep)
