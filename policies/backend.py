@@ -56,9 +56,7 @@ class GenerationBackend(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """New weights from tensors, by name (HFBackend: all of them; sglang: those sent), and their version.
-
-        A name the model does not have is an error."""
+        """New weights from tensors, by name (those sent; a name the model lacks is an error), and their version."""
         ...
 
     def release_memory(self) -> None:
@@ -110,10 +108,12 @@ class HFBackend:
         self.released = False
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state` into the model in place (strict: every key must match)."""
+        """Copy the tensors of `state` into the model's of the same names, in place (cast to its dtype)."""
         self._check_held("load_state_dict")
         with torch.no_grad():
-            self.model.load_state_dict(state, strict=True)
+            unknown = self.model.load_state_dict(state, strict=False).unexpected_keys
+        if unknown:
+            raise RuntimeError(f"Unexpected key(s) in the weights: {unknown[:3]}")
         self.version = version
 
     def release_memory(self) -> None:

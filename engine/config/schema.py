@@ -28,7 +28,10 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class GenerationConfig(_Section):
     """`[models.generation]`: the engine that samples a model's completions (policies/backend.py)."""
 
-    backend: Literal["hf", "sglang"] = "hf"  # hf: transformers on the worker's device; sglang: an extra, needs CUDA
+    # hf: transformers sampling from the worker's module; hf-static: its own copy in `dtype`, a static KV cache (the
+    # GPU path: bf16); sglang: an extra, needs CUDA
+    backend: Literal["hf", "hf-static", "sglang"] = "hf"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # hf-static's weights
     sglang_url: str = ""  # a running sglang server (http://host:port); "" = sglang's Engine in the worker, on its GPU
     # how weights reach a server: sglang's CUDA IPC handles (colocated), or safetensors bytes (a server that takes them)
     sglang_tensors: Literal["ipc", "safetensors"] = "ipc"

@@ -12,6 +12,7 @@ Loop invariants:
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import zlib
 
@@ -21,7 +22,7 @@ from engine.runtime.plane import HandBack, Order, UnitDone, WantWork, WorkUnit
 from engine.train.group import params_digest
 from engine.weights.channel import WeightReader, WeightSyncError
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
-from policies.backend import GenerationBackend, HFBackend
+from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
 from policies.models import pad_token_id
 from policies.sglang_backend import sglang_backend
 from policies.templates import prompt_ids
@@ -83,14 +84,19 @@ def make_backend(worker, model: str, policy) -> GenerationBackend:
     if g.backend == "hf":
         return HFBackend(policy.module, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id(tok),
                          device=worker.device)
+    if g.backend == "hf-static":  # its own copy, cast: the module stays what the channel and the digests read
+        backend = CudaHFBackend(copy.deepcopy(policy.module), tok.eos_token_id, pad_token_id(tok), device=worker.device,
+                                dtype=getattr(torch, g.dtype))
+        backend.version = -1
+        return backend
     return sglang_backend(tok.eos_token_id, g.sglang_url, g.sglang_tensors, worker.plan.warm_checkpoints[model],
                           gpu=worker.device.index or 0, seed=worker.cfg.run.seed, engine_args=g.sglang_args)
 
 
 def _push_weights(backend: GenerationBackend, policy) -> None:
-    """HFBackend samples from the module the weight channel fills; a backend holding its own copy (sglang)
-    is sent each new version from it, between units."""
-    if isinstance(backend, HFBackend):
+    """HFBackend samples from the module the weight channel fills; a backend holding its own copy (hf-static,
+    sglang) is sent each new version from it, between units."""
+    if getattr(backend, "model", None) is policy.module:
         backend.version = policy.version
     elif backend.version != policy.version:
         # by parameter, as sglang takes updates: tied weights once, under the name its loader knows
