@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def _run(tmp_path, cache, model: int, generation: str) -> Run:
+def _run(tmp_path, cache, model: int, generation: str, *sets: str) -> Run:
     run = Run(tmp_path / "run", cache, f"train.steps={STEPS}", "run.checkpoint_every=1", "run.keep_checkpoints=10",
-              f"models.{model}.generation={generation}")
+              f"models.{model}.generation={generation}", *sets)
     assert run.finish() == 0, run.out[-3000:]
     result = run.result()
     assert result["steps"] == {"gpt2": STEPS, "llama": STEPS}
@@ -49,11 +49,13 @@ def _behaviour_is_the_learners(run: Run, model: str, atol: float) -> set[int]:
 
 
 def test_a_run_samples_gpt2_through_an_sglang_server_and_sends_it_every_version(tmp_path, engine_cache):
+    """gpt2 trains LoRA adapters: the server holds the plain model and is sent the merged weights."""
     spec = model_spec(load_run_config(ROOT / "configs/smoke.toml").model("gpt2"))
     tok = load_tokenizer(spec.tokenizer)
     server = StandIn(HFBackend(build_policy(spec, tok, seed=99), tok.eos_token_id, pad_token_id(tok)))  # not the run's
     with server as url:
-        run = _run(tmp_path, engine_cache, 0, f"{{backend='sglang', sglang_url='{url}', sglang_tensors='safetensors'}}")
+        run = _run(tmp_path, engine_cache, 0, f"{{backend='sglang', sglang_url='{url}', sglang_tensors='safetensors'}}",
+                   "models.0.lora={rank=4, alpha=8}", "models.0.lr=3e-3")
     paths = [path for path, _ in server.requests]
     pushed = [int(body["weight_version"]) for path, body in server.requests if path == "/update_weights_from_tensor"]
     assert paths[0] == "/update_weights_from_tensor" and pushed[0] == 0  # the run's weights before any sample
@@ -62,7 +64,7 @@ def test_a_run_samples_gpt2_through_an_sglang_server_and_sends_it_every_version(
     gpt2 = [e for e in ExperienceLogReader(run.run_dir / "experience_log") if e.model == "gpt2"]
     assert len(gpt2) == rows  # every sample the server made was published, and nothing else for gpt2
     assert {e.weight_version for e in gpt2} <= set(pushed)
-    for version in pushed[1:]:  # the server held the learner's weights of that step, bit for bit
+    for version in pushed[1:]:  # the server held the learner's (merged) weights of that step, bit for bit
         step_dir = checkpoint.model_dir(run.run_dir, "gpt2") / f"step-{version:06d}"
         assert server.digests[version] == params_digest(load_policy(step_dir))
     assert _behaviour_is_the_learners(run, "gpt2", atol=1e-4)

@@ -43,9 +43,6 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
 
 def _sglang(cfg: RunConfig, m, key: str, origin: Origin, check_machine: bool) -> None:
     g = m.generation
-    if m.lora is not None:
-        raise origin.error(f"{key}.lora", "LoRA is not wired to the sglang backend yet (its generators would need "
-                                          'merged weights); use generation.backend = "hf"')
     if g.sglang_url and not g.sglang_url.startswith(("http://", "https://")):
         raise origin.error(f"{key}.generation.sglang_url", f"{g.sglang_url!r} is not an http(s)://host:port URL")
     if not g.sglang_url and cfg.pool.device != "cuda":

@@ -24,7 +24,8 @@ from engine.weights.channel import WeightReader, WeightSyncError
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
 from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
 from policies.models import pad_token_id
-from policies.sglang_backend import sglang_backend
+from policies.lora import has_adapters, merged
+from policies.sglang_backend import SglangBackend, sglang_backend
 from policies.templates import prompt_ids
 
 
@@ -99,8 +100,11 @@ def _push_weights(backend: GenerationBackend, policy) -> None:
     if getattr(backend, "model", None) is policy.module:
         backend.version = policy.version
     elif backend.version != policy.version:
-        # by parameter, as sglang takes updates: tied weights once, under the name its loader knows
-        backend.load_state_dict({n: p.detach() for n, p in policy.module.named_parameters()}, policy.version)
+        # by parameter, as sglang takes updates: tied weights once, under the name its loader knows; a model with
+        # LoRA adapters goes merged to sglang, which holds the plain model (hf-static's copy has the adapters)
+        module = merged(policy.module) if isinstance(backend, SglangBackend) and has_adapters(policy.module) \
+            else policy.module
+        backend.load_state_dict({n: p.detach() for n, p in module.named_parameters()}, policy.version)
 
 
 async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
