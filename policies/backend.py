@@ -110,10 +110,11 @@ class HFBackend:
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy the tensors of `state` into the model's of the same names, in place (cast to its dtype)."""
         self._check_held("load_state_dict")
-        with torch.no_grad():
-            unknown = self.model.load_state_dict(state, strict=False).unexpected_keys
-        if unknown:
+        unknown = sorted(set(state) - set(self.model.state_dict()))
+        if unknown:  # checked first: nothing is copied from a state that does not fit
             raise RuntimeError(f"Unexpected key(s) in the weights: {unknown[:3]}")
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
         self.version = version
 
     def release_memory(self) -> None:

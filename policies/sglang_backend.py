@@ -192,7 +192,8 @@ def sglang_backend(eos_token_id: int, url: str = "", tensors: str = "ipc", model
 
     It starts holding no weights of the run (version -1), so the first load pushes the current ones."""
     if url:
-        transport: Transport = SglangHTTP(url, serialize=encode_tensors if tensors == "safetensors" else sglang_serializer)
+        serialize = encode_tensors if tensors == "safetensors" else sglang_serializer
+        transport: Transport = SglangHTTP(url, serialize=serialize)
     else:
         transport = SglangEngine.launch(model_path, seed=seed, base_gpu_id=gpu, **(engine_args or {}))
     backend = SglangBackend(transport, eos_token_id)

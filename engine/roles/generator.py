@@ -23,8 +23,8 @@ from engine.train.group import params_digest
 from engine.weights.channel import WeightReader, WeightSyncError
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
 from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
-from policies.models import pad_token_id
 from policies.lora import has_adapters, merged
+from policies.models import pad_token_id
 from policies.sglang_backend import SglangBackend, sglang_backend
 from policies.templates import prompt_ids
 
@@ -35,7 +35,8 @@ async def generate_role(worker, order: Order) -> None:
     tok = policy.tokenizer
     worker.reader = reader = WeightReader(worker.plan_channel(model), policy.module)
     worker.reader_model = model
-    worker.backend = backend = make_backend(worker, model, policy)
+    # an sglang Engine starts in minutes, a static-cache copy in seconds: not on the loop that hears a halt
+    worker.backend = backend = await asyncio.to_thread(make_backend, worker, model, policy)
     policy.version = reader.load()
     await asyncio.to_thread(_push_weights, backend, policy)
     worker.acquired()

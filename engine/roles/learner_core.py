@@ -59,7 +59,8 @@ class LearnerCore:
         self.module.train()
         self.pad_id = pad_token_id(self.tok)
         self.lr = self.spec.lr or cfg.train.lr
-        optimizer = adamw([p for p in self.module.parameters() if p.requires_grad], lr=self.lr, betas=cfg.train.adam_betas)
+        trained = [p for p in self.module.parameters() if p.requires_grad]  # with LoRA: the adapters
+        optimizer = adamw(trained, lr=self.lr, betas=cfg.train.adam_betas)
         # a CPU generator on any device: its state is what sync_state broadcasts and state_digest hashes
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + cfg.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)

@@ -60,7 +60,8 @@ def start_module(cfg: RunConfig, m: ModelConfig, tok, warm: str, resume: str | N
     start is the frozen base of every process, under adapters seeded alike everywhere or resumed."""
     if m.lora is None:
         return build_policy(model_spec(m, resume or warm), tok)
-    module = add_adapters(build_policy(model_spec(m, warm), tok), m.lora, cfg.run.seed * 1000 + cfg.names.index(m.name))
+    seed = cfg.run.seed * 1000 + cfg.names.index(m.name)
+    module = add_adapters(build_policy(model_spec(m, warm), tok), m.lora, seed)
     if resume:
         load_adapters(module, resume)
     return module
