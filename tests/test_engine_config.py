@@ -149,6 +149,20 @@ def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lor
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("sets, key, named", [
+    (["train.grad_accum=2"], "train.grad_accum", 'train.sharding = "fsdp2"'),
+    (["train.activation_checkpointing=true"], "train.activation_checkpointing", 'train.sharding = "fsdp2"'),
+    (["train.sharding='fsdp2'", "models.1.lora={rank=4}"], "models.1.lora", "not supported"),
+    (["train.sharding='zero3'"], "train.sharding", "fsdp2"),
+])
+def test_launch_refuses_sharding_settings_it_cannot_honour(tmp_path, sets, key, named):
+    args = [arg for s in sets for arg in ("--set", s)]
+    result = _launch("run", "--config", str(SMOKE), *args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and key in result.stderr and named in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
 def test_launch_help_lists_subcommands(tmp_path):
     result = _launch("--help", cwd=tmp_path)
     assert result.returncode == 0

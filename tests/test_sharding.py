@@ -33,7 +33,7 @@ from engine.runtime.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
-from engine.train.sharding import decoder_blocks, micro_batches, shard, sharded_step
+from engine.train.sharding import ShardedTwin, decoder_blocks, micro_batches, shard, sharded_step
 from engine.train.step import peers_for, train_share
 
 WORLD, G, Q, STEPS, LR = 2, 2, 6, 2, 1e-2
@@ -199,6 +199,68 @@ def test_a_binding_clip_agrees_to_rounding(tmp_path) -> None:
     assert got["norms"][0] > 1e-6, "the clip must bind for this test to mean anything"
     for name, p in want["params"].items():
         torch.testing.assert_close(got["params"][name], p.detach(), rtol=0, atol=1e-6, msg=name)
+
+
+def _twin_rank(rank: int, endpoint: str, out: str) -> None:
+    """A learner formation's life under train.sharding = "fsdp2", beside the replicated step it replaces."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=endpoint, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    objective, clip, found = _objective("grpo_seq"), 1e6, {}
+
+    def fresh() -> dp.TrainState:
+        model, _ = _model("gpt2")
+        return dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0))
+
+    def replicated_step(state: dp.TrainState, step: int) -> None:
+        data = _data(step, state.model.config.vocab_size, state.version)
+        train_share(state, data, *_chosen(objective, data), rank, WORLD, objective, pad, clip, LR)
+
+    (sharded, replicated), pad = (fresh(), fresh()), _model("gpt2")[1]
+    for state in (sharded, replicated):  # AdamW moments exist before the twin is built
+        replicated_step(state, 0)
+    before = dp.state_digest(sharded)
+    twin = ShardedTwin(sharded, rank == 0, torch.device("cpu"), (0.9, 0.999), 1, False)
+    found["own_numel_inside"] = sum(p.numel() for p, _ in twin.pairs)
+    found["twin_numel"] = sum(q.to_local().numel() for _, q in twin.pairs)
+    twin.close()
+    found["round_trip"] = rank != 0 or dp.state_digest(sharded) == before  # the leader's state is whole again
+    found["follower_keeps_no_moments"] = rank == 0 or not sharded.optimizer.state
+    dp.sync_state(sharded, rank)  # ... and the next formation hands it to every rank
+    found["round_trip_synced"] = dp.state_digest(sharded) == before
+    twin = ShardedTwin(sharded, rank == 0, torch.device("cpu"), (0.9, 0.999), 1, False)
+    data = _data(1, sharded.model.config.vocab_size, sharded.version)
+    twin.step(data, *_chosen(objective, data), rank, WORLD, objective, pad, clip, LR)
+    replicated_step(replicated, 1)
+    found["leader_weights_after_step"] = rank != 0 or dp.params_digest(sharded.model) == dp.params_digest(
+        replicated.model)
+    twin.gather_moments()
+    found["leader_moments_for_a_checkpoint"] = rank != 0 or dp.state_digest(sharded) == dp.state_digest(replicated)
+    twin.drop_moments()
+    twin.close()
+    dp.sync_state(sharded, rank)
+    found["after_close"] = dp.state_digest(sharded) == dp.state_digest(replicated)
+    found["full_numel"] = sum(p.numel() for p in replicated.params)
+    torch.save(found, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_sharded_formation_holds_and_gives_back_the_replicated_state_bit_for_bit(tmp_path) -> None:
+    """What the learner role does with train.sharding = "fsdp2": the replicated state is cut into shards (a
+    follower keeps nothing whole), a step on them equals the replicated group's step bit for bit (weights the
+    leader publishes, moments it checkpoints), and closing the formation gives the leader the whole state back,
+    which the next formation's sync_state hands to every rank."""
+    out = str(tmp_path / "twin")
+    mp.spawn(_twin_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    for rank, found in enumerate(ranks):
+        assert found["round_trip"] and found["round_trip_synced"] and found["after_close"], (rank, found)
+        assert found["follower_keeps_no_moments"], (rank, found)
+        assert found["leader_weights_after_step"] and found["leader_moments_for_a_checkpoint"], (rank, found)
+        assert found["twin_numel"] <= found["full_numel"] // WORLD + 64, (rank, found)  # 1/world, up to padding
+    assert ranks[0]["own_numel_inside"] == ranks[0]["full_numel"]  # the leader keeps whole weights ...
+    assert ranks[1]["own_numel_inside"] == 0  # ... a follower only its shards
 
 
 def test_blocks_and_micro_batches() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,9 +112,28 @@ def convert(tree: dict, cls: type[T], origin: Origin) -> T:
             parent = key.rpartition(".")[0]
             kinds = _tags_at(cls, tree, parent)
             raise origin.error(key, f"unknown kind {_value_at(tree, key)!r}; known: {', '.join(kinds)}") from None
+        if text.startswith("invalid enum value") and (choices := _choices_at(cls, key)):
+            raise origin.error(key, f"{_value_at(tree, key)!r} is not one of {', '.join(map(repr, choices))}") from None
         if ", got" not in text and key:  # "expected int >= 1": say what it got
             text += f", got {_value_at(tree, key)!r}"
         raise origin.error(key or "(top level)", text) from None
+
+
+def _choices_at(cls: type, key: str) -> tuple:
+    """The values a Literal field at ``key`` (dotted, list indices included) allows; () if it is not one."""
+    hint: Any = cls
+    for part in key.split("."):
+        while typing.get_origin(hint) in (list, typing.Annotated):
+            hint = typing.get_args(hint)[0]
+        if part.isdigit():
+            continue
+        try:
+            hint = typing.get_type_hints(hint)[part]
+        except (TypeError, KeyError, NameError):
+            return ()
+    while typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
 
 
 def _value_at(tree: Any, key: str) -> Any:

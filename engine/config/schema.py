@@ -73,6 +73,11 @@ class TrainSection(_Section):
     temperature: PosFloat = 1.0
     max_inflight_steps: PosInt = 2  # steps of work a model's generators may run ahead of its learner
     max_model_lead_steps: PosInt = 4  # ... and ahead of the slowest live peer's learner
+    # a learner group of several ranks: "replicate" (each rank holds the whole state, gradients all-reduced) or
+    # "fsdp2" (each rank holds 1/world of the weights, gradients and AdamW moments: engine.train.sharding)
+    sharding: Literal["replicate", "fsdp2"] = "replicate"
+    grad_accum: PosInt = 1  # fsdp2: micro-batches per rank and step, gradients reduced once after the last
+    activation_checkpointing: bool = False  # fsdp2: recompute each block's activations in backward
 
 
 class EvalSection(_Section):

@@ -16,6 +16,7 @@ def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunC
         raise origin.error("objective.kind", f"{cfg.objective.kind!r} uses peer experience and needs >= 2 models; "
                                              'use kind = "grpo" for a single model')
     _pool(cfg, origin, check_machine)
+    _sharding(cfg, origin)
     if cfg.run.wandb != "off" and check_machine and importlib.util.find_spec("wandb") is None:
         raise origin.error("run.wandb", f"{cfg.run.wandb!r} needs the wandb package, which is not installed; "
                                       "pip install -e '.[wandb]' (or set run.wandb = \"off\")")
@@ -39,6 +40,20 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             problem = checkpoint_problem(Path(m.checkpoint))
             if problem:
                 raise origin.error(f"models.{i}.checkpoint", problem)
+
+
+def _sharding(cfg: RunConfig, origin: Origin) -> None:
+    t = cfg.train
+    if t.sharding == "replicate":
+        for key, value, plain in (("grad_accum", t.grad_accum, 1), ("activation_checkpointing", t.activation_checkpointing,
+                                                                     False)):
+            if value != plain:
+                raise origin.error(f"train.{key}", 'applies to sharded learners only: set train.sharding = "fsdp2"')
+        return
+    lora = [i for i, m in enumerate(cfg.models) if m.lora is not None]
+    if lora:
+        raise origin.error(f"models.{lora[0]}.lora", 'LoRA is not supported with train.sharding = "fsdp2" yet; '
+                                                     'use sharding = "replicate" (adapters are small: sharding saves little)')
 
 
 def _sglang(cfg: RunConfig, m, key: str, origin: Origin, check_machine: bool) -> None:

@@ -6,6 +6,11 @@ step's samples, publishes the new weights to the model's channel, and at the end
 the checkpoint and runs the final held-out evaluation. The coordinator never moves a
 leader while its group exists, so buffered experience never changes hands.
 
+With ``train.sharding = "fsdp2"`` a formation of several ranks trains a ``ShardedTwin``
+(``engine.train.sharding``): built from rank 0's state once ``sync_state`` has run, gathered
+back into the leader's state when the formation ends; every rank joins the gathers after a
+step (weights the leader publishes) and before a checkpoint (AdamW moments).
+
 No deadlock, no starvation:
 - peers' groups on a step's prompts are waited for at most ``timeouts.peer_wait_s``, and
   only for what the objective reads (``policies.objectives.peer_need``); misses are counted;
@@ -21,15 +26,18 @@ No deadlock, no starvation:
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from pathlib import Path
 
 from engine.prep.evaluation import held_out_accuracy
 from engine.roles.learner_core import LearnerCore, Pending
+from engine.runtime.failures import SHARDS_LOST
 from engine.runtime.plane import GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone, StepReport
 from engine.train import checkpoint
 from engine.train import group as dp
+from engine.train.sharding import ShardedTwin
 from engine.train.step import learning_rate, peers_for, train_share
 from exchange.log import fsync_log
 from exchange.protocol import SCHEMA_VERSION, Stats, WeightsReady
@@ -54,7 +62,7 @@ async def learn_role(worker, group: GroupSpec) -> None:
                 return
             group = await _next_formation(worker, model, group.epoch)
             if group is None or worker.id not in group.members:
-                if worker.inbox.halt and core.sub is not None:
+                if worker.inbox.halt and core.sub is not None and not core.lost:
                     await _finish(core, stopped_early=True)  # a leader halted between formations
                 return
     finally:
@@ -72,13 +80,25 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
         if world > 1:
             await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout)
             await asyncio.to_thread(dp.sync_state, core.state, rank)
+        digest = dp.state_digest(core.state)
+        if world > 1 and core.cfg.train.sharding == "fsdp2":
+            t = core.cfg.train
+            core.twin = await asyncio.to_thread(dp.collective(ShardedTwin), core.state, rank == 0, w.device,
+                                                t.adam_betas, t.grad_accum, t.activation_checkpointing)
         w.acquired()  # a role switch's new memory is taken once the state has arrived
-        await w.plane.send(GroupFormed(w.id, group.model, group.epoch, rank, core.state.version,
-                                       dp.state_digest(core.state)))
+        await w.plane.send(GroupFormed(w.id, group.model, group.epoch, rank, core.state.version, digest))
         core.last_stats = time.time()
-        return await (_lead(core, group) if rank == 0 else _follow(core, group, rank))
+        outcome = await (_lead(core, group) if rank == 0 else _follow(core, group, rank))
+        if core.twin is not None:  # every rank, at the boundary the leader's header named
+            await asyncio.to_thread(dp.collective(core.twin.close))
+            core.twin = None
+        return outcome
     except dp.GroupError as exc:
         why = str(exc).split(". ")[0][:240]  # gloo appends advice and an emoji
+        if core.twin is not None:  # a dead rank's shards are gone: engine.runtime.failures takes the model out
+            core.twin.abandon()
+            core.twin, core.lost = None, True
+            why = f"{SHARDS_LOST}: {why}"
         print(f"[{w.id}] {group.model} learner group epoch {group.epoch}: {why}", file=sys.stderr, flush=True)
         await w.plane.send(GroupBroken(w.id, group.model, group.epoch, why))
         return BROKEN
@@ -166,8 +186,9 @@ async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
     data, own, peers = dp.decode_step(raw)
     started = time.time()
     lr = learning_rate(core.lr, core.state.version, core.cfg.train.warmup_steps)
-    result = await asyncio.to_thread(train_share, core.state, data, own, peers, rank, world, core.cfg.objective,
-                                     core.pad_id, core.cfg.train.grad_clip, lr)
+    step = dp.collective(core.twin.step) if core.twin is not None else functools.partial(train_share, core.state)
+    result = await asyncio.to_thread(step, data, own, peers, rank, world, core.cfg.objective, core.pad_id,
+                                     core.cfg.train.grad_clip, lr)
     await core.worker.pad_to_budget("train", core.model_name, started, result["share_samples"])
     result["busy_s"] = time.time() - started
     result["peer_used"] = len(peers)
@@ -206,10 +227,12 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
                                       ev.live_problems, ev, core.cfg.train.max_new_tokens,
                                       f"{core.model_name} live at step {version} (eval.live_problems)")
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
-    every = core.cfg.run.checkpoint_every
-    if every and version % every == 0 and version < core.cfg.train.steps:
+    if _checkpoint_due(core):
         started = time.time()
+        await _gather_moments(core)
         path = await asyncio.to_thread(_checkpoint, core)
+        if core.twin is not None:
+            core.twin.drop_moments()
         record.update(checkpoint=str(path), checkpoint_s=round(time.time() - started, 3))
     core.metrics.write(event="step", prompts=p.prompts, **record)
     core.log_scalars(version, record)
@@ -219,6 +242,18 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,
                       record["staleness_mean"])
+
+
+def _checkpoint_due(core: LearnerCore) -> bool:
+    """A periodic checkpoint after the step just taken (every rank knows: sharded ones gather the moments)."""
+    every, version = core.cfg.run.checkpoint_every, core.state.version
+    return bool(every) and version % every == 0 and version < core.cfg.train.steps
+
+
+async def _gather_moments(core: LearnerCore) -> None:
+    """A sharded formation's AdamW moments, whole, into the leader's optimizer (every rank joins)."""
+    if core.twin is not None:
+        await asyncio.to_thread(dp.collective(core.twin.gather_moments))
 
 
 def _checkpoint(core: LearnerCore) -> Path:
@@ -247,6 +282,8 @@ async def _follow(core: LearnerCore, group: GroupSpec, rank: int) -> str:
             return STOP if command == dp.STOP else REGROUP
         raw = await asyncio.to_thread(dp.broadcast_bytes, None, nbytes)
         result = await _train(core, raw, rank, world)
+        if _checkpoint_due(core):
+            await _gather_moments(core)
         await _send_stats(core, result["share_samples"], result["busy_s"], 0.0)
 
 

@@ -22,6 +22,7 @@ from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.ingest import Ingest
 from engine.train.optim import adamw
+from engine.train.sharding import ShardedTwin
 from engine.weights.channel import WeightWriter
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Experience
@@ -74,6 +75,8 @@ class LearnerCore:
         self.need = peer_need(cfg.objective.kind)
         self.sub: Subscriber | None = None  # the leader's inbox, once opened
         self.pending: Pending | None = None
+        self.twin: ShardedTwin | None = None  # a sharded formation's state (train.sharding = "fsdp2")
+        self.lost = False  # a sharded formation broke: this state must never be saved or trained on
         self.announced: set[str] = set()
         self.started = self.last_stats = time.time()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+from torch.distributed.tensor import DTensor
 
 Holdable = torch.nn.Module | torch.optim.Optimizer | torch.Tensor
 
@@ -37,11 +38,16 @@ class Policy:
     version: int = 0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (FSDP2's parameters, their gradients and moments) by what this process holds of it."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _tensors(obj: Holdable) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield _local(obj)
         if obj.grad is not None:
-            yield obj.grad
+            yield _local(obj.grad)
     elif isinstance(obj, torch.nn.Module):
         for p in obj.parameters():
             yield from _tensors(p)
@@ -51,7 +57,7 @@ def _tensors(obj: Holdable) -> Iterator[torch.Tensor]:
             for p in group["params"]:
                 yield from _tensors(p)
         for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+            yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
     else:
         raise TypeError(f"held_bytes counts modules, optimizers and tensors, not {type(obj).__name__}")
 

@@ -188,6 +188,7 @@ class Worker:
     def _holdings(self) -> list:
         held: list = [p.module for p in self.policies.values()]
         held += [core.state.optimizer for core in self.learners.values()]
+        held += [part for core in self.learners.values() if core.twin is not None for part in core.twin.holdings()]
         if self.backend is not None:
             held.append(self.backend.model)
         return held

@@ -12,6 +12,9 @@
   had not trained; the n-th restart of a model waits ``pool.restart_backoff_s * 2**(n-1)``
   first. With no checkpoint yet or no respawn left (``pool.max_respawns``) it leaves the
   run: its peers train solo and say so, and the run ends ``FAILED``.
+- With ``train.sharding = "fsdp2"``, a formation of several ranks holds the state only in shards: a rank
+  that dies, or a collective that fails, loses it, and the model leaves the run (``resume`` continues from
+  its newest checkpoint). A restart from that checkpoint inside the run is not built yet.
 - A group whose collective failed with nobody dead is re-formed as it was, at most
   ``MAX_BREAKS`` times in a row; then the model leaves the run.
 - A broker that dies is started again on the same endpoints and log (``pool.max_broker_restarts``
@@ -33,6 +36,9 @@ from engine.runtime.plane import BrokerBack, GroupBroken
 from engine.runtime.rundir import write_json
 from engine.train import checkpoint
 
+SHARDS_LOST = "sharded state lost"  # how a broken fsdp2 formation's GroupBroken reason begins (roles.learner)
+SHARDS_GONE = ("a sharded group cannot re-form from its survivors (the lost rank's shards of the weights and "
+               "AdamW moments are gone); `python launch.py resume RUN_DIR` continues from the newest checkpoint")
 DEATH_NOTICE_S = 1.0  # a broken group waits this long for the watch to see a death that explains it
 WATCH_EVERY_S = 0.2  # how often process liveness is polled
 MAX_BREAKS = 3
@@ -93,6 +99,7 @@ class FailurePolicy:
 
     async def _worker_died(self, wid: str, code: int | None) -> None:
         c = self.c
+        sharded = self._sharded_formation(c.roster.assignment.get(wid, ("idle", "")))
         role, led, messages = c.roster.remove(wid)
         self.lost.append(wid)
         units = c.dispatch.lost(wid)
@@ -106,6 +113,10 @@ class FailurePolicy:
                 await self.model_leaves(role[1], f"its last learner rank {wid} exited with code {code}")
             return
         if c.stopping:
+            return
+        if sharded:
+            print(f"[run] {wid} ({what}) exited with code {code}", file=sys.stderr, flush=True)
+            await self.model_leaves(role[1], f"its sharded learner rank {wid} exited with code {code}: {SHARDS_GONE}")
             return
         action = f"{len(units)} unit(s) go back to the queue" if role[0] != "learner" else \
             f"its group re-forms with {', '.join(c.roster.groups[role[1]].members)}"
@@ -201,10 +212,20 @@ class FailurePolicy:
         if idle and not c.stopping:
             await c.apply(idle, f"{model} left the run")
 
+    def _sharded_formation(self, role: tuple[str, str]) -> bool:
+        """Whether ``role`` is a rank of a formation whose state is sharded over several ranks."""
+        group = self.c.roster.groups.get(role[1])
+        return (role[0] == "learner" and self.c.cfg.train.sharding == "fsdp2" and group is not None
+                and len(group.members) > 1)
+
     async def broken(self, msg: GroupBroken) -> None:
         group = self.c.roster.groups.get(msg.model)
-        if group is not None and msg.epoch == group.epoch:
-            asyncio.create_task(self._reform_later(msg.model, msg.epoch, msg.reason))
+        if group is None or msg.epoch != group.epoch or msg.model in self.left:
+            return
+        if msg.reason.startswith(SHARDS_LOST):
+            await self.model_leaves(msg.model, f"its sharded learner group broke ({msg.reason}): {SHARDS_GONE}")
+            return
+        asyncio.create_task(self._reform_later(msg.model, msg.epoch, msg.reason))
 
     async def _reform_later(self, model: str, epoch: int, reason: str) -> None:
         await asyncio.sleep(DEATH_NOTICE_S)

@@ -28,17 +28,20 @@ FSDP-hooked method, since it calls base_model and the head itself, never the roo
 
 from __future__ import annotations
 
+import copy
 import time
 import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from engine.train import group as dp
 from engine.train.batching import build_batch
 from policies import logprobs
+from engine.train.optim import adamw
 from engine.train.step import step_totals
 from policies.objectives import compute_loss
 
@@ -122,6 +125,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
     state.optimizer.step()
     state.version += 1
     return {"busy_s": time.time() - started, "grad_norm": _plain(grad_norm),
+            "share_samples": sum(s.prompt_id in set(data.prompts[rank::world]) for s in own),
             **{f"obj/{k}": float(v) for k, v in stats.items()}}
 
 
@@ -155,3 +159,92 @@ def _padding_forwards(model: torch.nn.Module, n: int, pad_id: int) -> torch.Tens
         logp = logprobs.token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[False, True]], device=device))
         extra = extra + logp.sum() * 0.0
     return extra
+
+
+class ShardedTwin:
+    """A learner group formation's FSDP2 copy of the training state (``train.sharding = "fsdp2"``).
+
+    Every rank builds it from the replicated state that ``engine.train.group.sync_state`` has
+    just made equal: a copy of the module sharded over the group, and AdamW moments cut the
+    same way. While it lives, a follower's own module and moments are emptied (it holds 1/world
+    of the weights, gradients and moments); the leader keeps whole weights only, refreshed
+    after every step, which is what it publishes to generators, evaluates and saves.
+
+    - ``step``: ``sharded_step``, then every rank all-gathers the new weights (a collective).
+    - ``gather_moments``: the AdamW moments, whole, into the leader's optimizer (a collective:
+      before a checkpoint); ``drop_moments`` empties them again afterwards.
+    - ``close``: the moments, whole, back into the leader's own state (a collective, at the
+      formation's end); the next formation's ``sync_state`` sends that state to every rank.
+      A formation that broke cannot do it: a dead rank's shards are gone
+      (``engine.runtime.failures`` then takes the model out of the run).
+    Re-sharding whole tensors and gathering them back moves bits without arithmetic: the
+    leader's state after ``close`` is the state the twin held, bit for bit (tests/test_sharding.py).
+    """
+
+    def __init__(self, state: dp.TrainState, leader: bool, device: torch.device, betas: tuple[float, float],
+                 accum: int, checkpoint_activations: bool):
+        self.plain, self.leader, self.accum = state, leader, accum
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        model = shard(copy.deepcopy(state.model), mesh, checkpoint_activations)
+        twin_params = dict(model.named_parameters())
+        self.pairs = [(p, twin_params[n]) for n, p in state.model.named_parameters() if p.requires_grad]
+        self.shapes = [p.shape for p, _ in self.pairs]
+        lr = state.optimizer.param_groups[0]["lr"]
+        optimizer = adamw([q for _, q in self.pairs], lr=lr, betas=betas)
+        for p, q in self.pairs:
+            s = state.optimizer.state.get(p)
+            if s:
+                optimizer.state[q] = {"step": s["step"].clone(),
+                                      "exp_avg": distribute_tensor(s["exp_avg"], mesh, q.placements),
+                                      "exp_avg_sq": distribute_tensor(s["exp_avg_sq"], mesh, q.placements)}
+        self.twin = dp.TrainState(model, optimizer, state.rng, state.version)
+        state.optimizer.state.clear()
+        if not leader:
+            for p, _ in self.pairs:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def step(self, data: dp.StepData, own, peers, rank: int, world: int, objective, pad_id: int, grad_clip: float,
+             lr: float) -> dict:
+        result = sharded_step(self.twin, data, own, peers, rank, world, objective, pad_id, grad_clip, lr, self.accum)
+        self.plain.version = self.twin.version
+        with torch.no_grad():
+            for p, q in self.pairs:
+                whole = q.full_tensor()
+                if self.leader:
+                    p.copy_(whole)
+        return result
+
+    def gather_moments(self, keep: bool | None = None) -> None:
+        """Every rank: the AdamW moments, whole, into its own optimizer if ``keep`` (default: the leader's only)."""
+        keep = self.leader if keep is None else keep
+        for p, q in self.pairs:
+            s = self.twin.optimizer.state.get(q)
+            if s:
+                whole = {"step": s["step"].clone(), "exp_avg": s["exp_avg"].full_tensor(),
+                         "exp_avg_sq": s["exp_avg_sq"].full_tensor()}
+                if keep:
+                    self.plain.optimizer.state[p] = whole
+
+    def holdings(self) -> list:
+        """What the twin keeps in memory (``engine.roles.memory.held_bytes`` counts this process's shards)."""
+        return [] if self.twin is None else [self.twin.model, self.twin.optimizer]
+
+    def drop_moments(self) -> None:
+        self.plain.optimizer.state.clear()
+
+    def close(self) -> None:
+        """Every rank, at the formation's end: the leader's own state is whole again (its weights are already;
+        the moments are gathered). A follower's module gets whole-sized storage back but no values: they come
+        from the next formation's ``sync_state`` or, for a generator, the weight channel (leaders never move,
+        so a follower never needs the whole state, and never holds it at once)."""
+        self.gather_moments()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Drop the twin (after ``close``, or when the formation broke and its shards are lost); a follower's
+        module gets whole-sized, zeroed weights."""
+        with torch.no_grad():
+            for (p, _), shape in zip(self.pairs, self.shapes):
+                if p.numel() == 0 and shape.numel():
+                    p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.twin = None

@@ -1,0 +1,65 @@
+"""Sharded learners in a real run (``train.sharding = "fsdp2"``): configs/pool.toml with llama's learner group
+on two gloo ranks, re-formed while the run goes by scripted moves (a rank leaves, later joins again).
+
+Every formation starts from rank 0's exact state, generators run exactly the weights the sharded group
+published, a periodic checkpoint inside a sharded formation holds whole AdamW moments, and a sharded
+follower holds about half of a replicated rank's memory. A rank that dies takes the model out of the run
+(its shards are gone), in one line and a ``model_left`` record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from enginerun import Run
+from poolsetup import script, static_pool
+from test_engine_pool import _bits_exact
+
+pytestmark = pytest.mark.slow
+SHARDED = ["train.sharding=fsdp2", "train.grad_accum=2"]
+
+
+def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_cache):
+    # pool-key order: w0 generates gpt2, w1 llama, w2 learns gpt2, w3 (leader) + w4 learn llama
+    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 12, (1, 1, 1, 2)), *SHARDED, "run.checkpoint_every=3", "run.keep_checkpoints=10",
+              script(("llama", 4, "w4", "generator", "llama"), ("llama", 7, "w4", "learner", "llama")),
+              config="configs/pool.toml")
+    assert run.finish() == 0, run.out[-3000:]
+    result, records = run.result(), run.records()
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    llama = [f for f in result["formations"] if f["model"] == "llama"]
+    assert [sorted(f["digests"]) for f in llama] == [["w3", "w4"], ["w3"], ["w3", "w4"]]
+    for f in llama:  # closing a sharded formation gave the leader the whole state the next one starts from
+        assert len(set(f["digests"].values())) == 1, f
+    steps = [r for r in records if r.get("event") == "step" and r["model"] == "llama"]
+    assert {r["world"] for r in steps} == {1, 2} and [r["step"] for r in steps] == list(range(1, 13))
+    used = _bits_exact(result, records, "w4", "llama")  # the follower, moved to generate: the published weights
+    assert used and used[0]["weight_version"] >= 4, used
+    sharded_ckpt = run.run_dir / "checkpoints" / "llama" / "step-000003"  # inside the first sharded formation
+    trainer = torch.load(sharded_ckpt / "trainer.pt", weights_only=True)["optimizer"]
+    start = next(r for r in records if r.get("event") == "start" and r["model"] == "llama")
+    n_params = start["weight_sync_bytes"] // 4
+    moments = [s["exp_avg"] for s in trainer["state"].values()]
+    assert sum(t.numel() for t in moments) == n_params, "a sharded checkpoint holds whole AdamW moments"
+    joined = next(r for r in records if r.get("event") == "role_switch" and r["worker"] == "w4"
+                  and r["to_role"] == "learner")
+    left = next(r for r in records if r.get("event") == "role_switch" and r["worker"] == "w4"
+                and r["from_role"] == "learner")
+    # a replicated rank holds weights + two AdamW moments (3x the weights); a sharded follower half of each,
+    # and after its formation closed, its module only (the leader alone takes the moments back)
+    assert joined["held_bytes_after_acquire"] < 2 * start["weight_sync_bytes"], joined
+    assert left["held_bytes_before"] < 1.5 * start["weight_sync_bytes"], left
+    assert run.leftover() == []
+
+
+def test_a_dead_sharded_rank_takes_its_model_out_of_the_run(tmp_path, engine_cache):
+    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 40, (1, 1, 1, 2)), *SHARDED, config="configs/pool.toml")
+    run.wait_steps(2, "llama")
+    run.kill_worker("w4")
+    code = run.finish()
+    assert code != 0, run.out[-3000:]
+    left = run.events("model_left")
+    assert [r["gen_model"] for r in left] == ["llama"] and "shards" in left[0]["reason"], left
+    assert "llama leaves the run" in run.out and "resume" in run.out
+    assert (run.run_dir / "FAILED").exists()
+    assert run.result()["audit"]["lost"] == 0
+    assert run.leftover() == []
