@@ -335,6 +335,7 @@ class Coordinator:
         rec = self.formations.setdefault((msg.model, msg.epoch), {"model": msg.model, "epoch": msg.epoch,
                                                                   "step": msg.step, "digests": {}})
         rec["digests"][msg.worker_id] = msg.digest
+        self.roster.formed(msg.model, msg.epoch, msg.rank)
         leaders = {m: self.roster.leader(m) for m in self.names}
         if all(leaders[m] in self.formations.get((m, 1), {}).get("digests", {}) for m in self.names):
             self.open.set()

@@ -3,8 +3,9 @@ on two gloo ranks, re-formed while the run goes by scripted moves (a rank leaves
 
 Every formation starts from rank 0's exact state, generators run exactly the weights the sharded group
 published, a periodic checkpoint inside a sharded formation holds whole AdamW moments, and a sharded
-follower holds about half of a replicated rank's memory. A rank that dies takes the model out of the run
-(its shards are gone), in one line and a ``model_left`` record."""
+follower holds about half of a replicated rank's memory. A rank that dies loses the group's state: the
+survivors start again from the newest checkpoint (a replacement joins them), or with none the model leaves
+the run, each in one line and a metrics record."""
 
 from __future__ import annotations
 
@@ -51,15 +52,36 @@ def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_
     assert run.leftover() == []
 
 
-def test_a_dead_sharded_rank_takes_its_model_out_of_the_run(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 40, (1, 1, 1, 2)), *SHARDED, config="configs/pool.toml")
+def test_a_dead_sharded_rank_restarts_its_group_from_the_checkpoint(tmp_path, engine_cache):
+    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 14, (1, 1, 1, 2)), *SHARDED, "run.checkpoint_every=3",
+              config="configs/pool.toml")
+    run.wait_steps(5, "llama")
+    run.kill_worker("w4")
+    assert run.finish() == 0, run.out[-3000:]
+    result, records = run.result(), run.records()
+    restart = run.events("learner_restart")
+    assert len(restart) == 1 and restart[0]["gen_model"] == "llama" and restart[0]["sharded"], restart
+    assert "sharded group (w3) restarts from its step-" in run.out and "w5 takes the dead rank's place" in run.out
+    back_to, at = restart[0]["step"], restart[0]["time"]
+    steps = [r for r in records if r.get("event") == "step" and r["model"] == "llama"]
+    before, after = [r["step"] for r in steps if r["time"] <= at], [r["step"] for r in steps if r["time"] > at]
+    assert before == list(range(1, len(before) + 1)) and len(before) >= 5 and back_to == 3, (before, back_to)
+    assert after == list(range(back_to + 1, 15)), after  # the steps after the checkpoint are trained again
+    llama = [f for f in result["formations"] if f["model"] == "llama"]
+    assert sorted(llama[-1]["digests"]) == ["w3", "w5"] and len(set(llama[-1]["digests"].values())) == 1
+    assert result["steps"]["llama"] == 14
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    assert run.leftover() == []
+
+
+def test_a_sharded_group_without_a_checkpoint_takes_its_model_out(tmp_path, engine_cache):
+    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 40, (1, 1, 1, 2)), *SHARDED, "run.checkpoint_every=0",
+              config="configs/pool.toml")
     run.wait_steps(2, "llama")
     run.kill_worker("w4")
-    code = run.finish()
-    assert code != 0, run.out[-3000:]
+    assert run.finish() != 0, run.out[-3000:]
     left = run.events("model_left")
-    assert [r["gen_model"] for r in left] == ["llama"] and "shards" in left[0]["reason"], left
-    assert "llama leaves the run" in run.out and "resume" in run.out
-    assert (run.run_dir / "FAILED").exists()
-    assert run.result()["audit"]["lost"] == 0
+    assert [r["gen_model"] for r in left] == ["llama"] and "no checkpoint" in left[0]["reason"], left
+    assert "llama leaves the run" in run.out and "run.checkpoint_every" in run.out
+    assert (run.run_dir / "FAILED").exists() and run.result()["audit"]["lost"] == 0
     assert run.leftover() == []

@@ -55,6 +55,8 @@ async def learn_role(worker, group: GroupSpec) -> None:
     try:
         while True:
             rank = group.members.index(worker.id)
+            if group.restore and core.lost:
+                core = _restarted_core(worker, model, group.restore)
             outcome = await _serve(core, group, rank)
             if outcome in (STOP, FINISHED):
                 if rank == 0:
@@ -71,12 +73,24 @@ async def learn_role(worker, group: GroupSpec) -> None:
         worker.policy(model).version = core.state.version
 
 
+def _restarted_core(worker, model: str, path: str) -> LearnerCore:
+    """This rank's state lost with its sharded formation, rebuilt from the checkpoint the next formation names
+    (its leader publishes those weights and replays the log, as a resumed run's does)."""
+    worker.learners.pop(model).close()
+    worker.policies.pop(model, None)
+    worker.resume[model] = path
+    core = worker.learners[model] = LearnerCore(worker, model)
+    return core
+
+
 async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
     """One formation: join, take rank 0's state, then lead or follow until it ends."""
     w, world, timeout = core.worker, len(group.members), core.cfg.timeouts.group_form_s
-    if rank == 0:
-        await core.open_inbox()
     try:
+        if core.lost:  # never lead or sync from a state a broken sharded formation left half-gathered
+            raise dp.GroupError("this rank's sharded state was lost and the formation names no checkpoint")
+        if rank == 0:
+            await core.open_inbox()
         if world > 1:
             await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout)
             await asyncio.to_thread(dp.sync_state, core.state, rank)
@@ -95,9 +109,10 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
         return outcome
     except dp.GroupError as exc:
         why = str(exc).split(". ")[0][:240]  # gloo appends advice and an emoji
-        if core.twin is not None:  # a dead rank's shards are gone: engine.runtime.failures takes the model out
+        if core.twin is not None:  # a dead rank's shards are gone: engine.runtime.failures restarts the group
             core.twin.abandon()
             core.twin, core.lost = None, True
+        if core.lost:
             why = f"{SHARDS_LOST}: {why}"
         print(f"[{w.id}] {group.model} learner group epoch {group.epoch}: {why}", file=sys.stderr, flush=True)
         await w.plane.send(GroupBroken(w.id, group.model, group.epoch, why))

@@ -170,7 +170,8 @@ class Worker:
             if model not in self._tokenizers:
                 self._tokenizers[model] = load_tokenizer(m.tokenizer, tokenizer_cache(self.cfg))
             tok = self._tokenizers[model]
-            module = start_module(self.cfg, m, tok, self.plan.warm_checkpoints[model], self.plan.resume.get(model))
+            resume = self.resume.get(model, self.plan.resume.get(model))  # a learner restarted in the run: its own
+            module = start_module(self.cfg, m, tok, self.plan.warm_checkpoints[model], resume)
             module = module.to(self.device)
             self.policies[model] = Policy(tok, module)
         return self.policies[model]

@@ -13,8 +13,9 @@
   first. With no checkpoint yet or no respawn left (``pool.max_respawns``) it leaves the
   run: its peers train solo and say so, and the run ends ``FAILED``.
 - With ``train.sharding = "fsdp2"``, a formation of several ranks holds the state only in shards: a rank
-  that dies, or a collective that fails, loses it, and the model leaves the run (``resume`` continues from
-  its newest checkpoint). A restart from that checkpoint inside the run is not built yet.
+  that dies, or a collective that fails, loses it. The surviving ranks then form again from the model's
+  newest checkpoint (the dead rank's replacement joins them), the log replaying what it had not trained;
+  with no checkpoint yet the model leaves the run.
 - A group whose collective failed with nobody dead is re-formed as it was, at most
   ``MAX_BREAKS`` times in a row; then the model leaves the run.
 - A broker that dies is started again on the same endpoints and log (``pool.max_broker_restarts``
@@ -37,8 +38,8 @@ from engine.runtime.rundir import write_json
 from engine.train import checkpoint
 
 SHARDS_LOST = "sharded state lost"  # how a broken fsdp2 formation's GroupBroken reason begins (roles.learner)
-SHARDS_GONE = ("a sharded group cannot re-form from its survivors (the lost rank's shards of the weights and "
-               "AdamW moments are gone); `python launch.py resume RUN_DIR` continues from the newest checkpoint")
+SHARDS_GONE = ("a sharded group cannot re-form from its survivors (the lost shards of the weights and AdamW "
+               "moments are gone); set run.checkpoint_every to restart from a checkpoint inside the run")
 DEATH_NOTICE_S = 1.0  # a broken group waits this long for the watch to see a death that explains it
 WATCH_EVERY_S = 0.2  # how often process liveness is polled
 MAX_BREAKS = 3
@@ -114,9 +115,9 @@ class FailurePolicy:
             return
         if c.stopping:
             return
-        if sharded:
-            print(f"[run] {wid} ({what}) exited with code {code}", file=sys.stderr, flush=True)
-            await self.model_leaves(role[1], f"its sharded learner rank {wid} exited with code {code}: {SHARDS_GONE}")
+        if sharded:  # the survivors' shards are no state to re-form from: the group restarts from its checkpoint
+            replacement = self._respawn(wid, role)
+            await self._restart_sharded(role[1], f"{wid} ({what}) exited with code {code}", replacement)
             return
         action = f"{len(units)} unit(s) go back to the queue" if role[0] != "learner" else \
             f"its group re-forms with {', '.join(c.roster.groups[role[1]].members)}"
@@ -173,6 +174,28 @@ class FailurePolicy:
                         attempt=n, backoff_s=delay)
         return f": {new} restarts {model}'s learner from its step-{step} checkpoint in {delay:g}s, replaying the log"
 
+    async def _restart_sharded(self, model: str, why: str, replacement: str | None = None) -> None:
+        """A sharded formation lost its state: its surviving ranks form again from the newest checkpoint
+        (the experience log gives back what it had not trained); the model leaves the run if there is none."""
+        c = self.c
+        path = checkpoint.latest(c.run_dir, model)
+        if path is None:
+            print(f"[run] {why}", file=sys.stderr, flush=True)
+            await self.model_leaves(model, f"its sharded learner group lost its state and it has no checkpoint yet: "
+                                           f"{SHARDS_GONE}")
+            return
+        step = checkpoint.read_state(path)["step"]
+        c.dispatch.steps[model] = step  # rewound: the steps after the checkpoint are trained again
+        messages = c.roster.reform(model, restore=str(path))
+        members = c.roster.groups[model].members
+        c.metrics.write(event="learner_restart", gen_model=model, worker=",".join(members), step=step,
+                        checkpoint=str(path), sharded=True)
+        print(f"[run] {why}: {model}'s sharded group ({', '.join(members)}) restarts from its step-{step} "
+              f"checkpoint, replaying the log" + (f"; {replacement} takes the dead rank's place" if replacement else ""),
+              file=sys.stderr, flush=True)
+        await c.send_all(messages)
+        c.dispatch_all()
+
     def _spawn_late(self, wid: str, device: int, model: str, path: str) -> None:
         if not self.c.stopping and model not in self.left:
             self.c.spawn_worker(wid, device, resume={model: path})
@@ -222,9 +245,6 @@ class FailurePolicy:
         group = self.c.roster.groups.get(msg.model)
         if group is None or msg.epoch != group.epoch or msg.model in self.left:
             return
-        if msg.reason.startswith(SHARDS_LOST):
-            await self.model_leaves(msg.model, f"its sharded learner group broke ({msg.reason}): {SHARDS_GONE}")
-            return
         asyncio.create_task(self._reform_later(msg.model, msg.epoch, msg.reason))
 
     async def _reform_later(self, model: str, epoch: int, reason: str) -> None:
@@ -235,6 +255,9 @@ class FailurePolicy:
         self.breaks[model] = self.breaks.get(model, 0) + 1
         if self.breaks[model] > MAX_BREAKS:
             await self.model_leaves(model, f"its learner group failed {MAX_BREAKS} times in a row: {reason}")
+            return
+        if reason.startswith(SHARDS_LOST):
+            await self._restart_sharded(model, f"{model}'s sharded learner group broke with every rank alive ({reason})")
             return
         print(f"[run] {model}'s learner group broke with every rank alive ({reason}); re-forming it",
               file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ class GroupSpec(msgspec.Struct, array_like=True, frozen=True):
     epoch: int  # grows with every re-formation of this model's group
     endpoint: str  # torch.distributed init_method (tcp://host:port)
     members: list[str]
+    restore: str = ""  # a checkpoint every rank starts from (a sharded formation broke: its state is lost)
 
 
 class WorkUnit(msgspec.Struct, array_like=True, frozen=True):

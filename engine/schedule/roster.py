@@ -29,6 +29,7 @@ class Roster:
         self.groups: dict[str, GroupSpec] = {}
         self.seq = 0  # Assign epochs: a worker ignores an order older than the one it holds
         self.regroups = 0
+        self.restoring: dict[str, str] = {}  # model -> the checkpoint its formations start from until one formed
         self.t0 = 0.0  # the RL phase's start (the cost model's clock), sent with every order
 
     def start(self, initial: dict[str, RoleOf], t0: float) -> list[tuple[str, object]]:
@@ -70,13 +71,23 @@ class Roster:
         survivors = [w for w in members if w != worker]
         return role, led, self._reform(role[1], survivors, tell=survivors)
 
-    def reform(self, model: str) -> list[tuple[str, object]]:
-        """The same members again, as a new formation (after a collective failed with nobody dead)."""
+    def reform(self, model: str, restore: str = "") -> list[tuple[str, object]]:
+        """The same members again, as a new formation (after a collective failed with nobody dead); ``restore``:
+        from that checkpoint."""
         members = self.groups[model].members
+        if restore:
+            self.restoring[model] = restore
         return self._reform(model, members, tell=members)
 
+    def formed(self, model: str, epoch: int, rank: int) -> None:
+        """Rank 0 of a formation reports its state: a restore it carried has happened."""
+        if rank == 0 and self.groups[model].epoch == epoch:
+            self.restoring.pop(model, None)
+
     def _reform(self, model: str, members: list[str], tell: list[str]) -> list[tuple[str, object]]:
-        group = GroupSpec(model, self.groups[model].epoch + 1, _endpoint(), members)
+        # a restore is carried by every formation until one has formed: a later one may overtake it
+        restore = self.restoring.get(model, "")
+        group = GroupSpec(model, self.groups[model].epoch + 1, _endpoint(), members, restore)
         self.groups[model] = group
         self.regroups += 1
         return [(w, Regroup(group)) for w in tell]
