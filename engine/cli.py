@@ -59,6 +59,9 @@ def preflight(cfg) -> None:
         if m.lora is not None:  # a target the model lacks: now, not in every worker after the warm start
             if problem := lora_problem(skeleton(model_spec(m), tok), m.lora):
                 raise ConfigError(f"models.{i}.lora: {problem}")
+        if m.generation.backend == "sglang" and m.generation.sglang_url:
+            if problem := _unreachable(m.generation.sglang_url):
+                raise ConfigError(f"models.{i}.generation.sglang_url: {problem}")
     try:
         make_task(cfg.task)
     except (OSError, ValueError, TaskFileError) as exc:
@@ -70,6 +73,21 @@ def preflight(cfg) -> None:
             controller_config(cfg)
         except ValueError as exc:
             raise ConfigError(f"pool.controller: {exc}") from None
+
+
+def _unreachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing serves ``url`` (sglang's GET /health; any HTTP answer counts as a server), or None."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # a server answered, if not with a health route
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"nothing answers at {url} ({reason}); start the sglang server first, or leave sglang_url out"
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -112,6 +112,11 @@ class StandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_GET(self) -> None:  # noqa: N802  sglang's GET /health: 200 and an empty body when serving
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def log_message(self, *args) -> None:  # keep pytest's output clean
                 pass
 

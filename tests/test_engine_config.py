@@ -149,6 +149,19 @@ def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lor
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+def test_launch_refuses_an_sglang_url_where_nothing_answers(tmp_path):
+    from engine.runtime.rundir import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    result = _launch("run", "--config", str(SMOKE), "--set",
+                     f"models.0.generation={{backend='sglang', sglang_url='{url}', sglang_tensors='safetensors'}}",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "models.0.generation.sglang_url" in result.stderr, result.stderr
+    assert f"nothing answers at {url}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("sets, key, named", [
     (["train.grad_accum=2"], "train.grad_accum", 'train.sharding = "fsdp2"'),
     (["train.activation_checkpointing=true"], "train.activation_checkpointing", 'train.sharding = "fsdp2"'),

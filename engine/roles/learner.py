@@ -91,11 +91,13 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
             raise dp.GroupError("this rank's sharded state was lost and the formation names no checkpoint")
         if rank == 0:
             await core.open_inbox()
+        sharded = world > 1 and core.cfg.train.sharding == "fsdp2"
+        backend = "cpu:gloo,cuda:nccl" if sharded and w.device.type == "cuda" else "gloo"
         if world > 1:
-            await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout)
+            await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout, backend)
             await asyncio.to_thread(dp.sync_state, core.state, rank)
         digest = dp.state_digest(core.state)
-        if world > 1 and core.cfg.train.sharding == "fsdp2":
+        if sharded:
             t = core.cfg.train
             core.twin = await asyncio.to_thread(dp.collective(ShardedTwin), core.state, rank == 0, w.device,
                                                 t.adam_betas, t.grad_accum, t.activation_checkpointing)

@@ -20,7 +20,8 @@ A rank that dies makes the others' next collective fail (gloo sees the closed
 connection, or the group's time-out expires): they report ``GroupBroken`` and wait for
 the coordinator's next formation, whose ``sync_state`` makes every rank equal again.
 
-Devices: the group is gloo whatever ``pool.device`` says. Weights, gradients and
+Devices: the group is gloo whatever ``pool.device`` says (a sharded group on GPUs adds NCCL
+for FSDP2's own collectives: ``join``'s backend). Weights, gradients and
 optimizer state may live on a GPU; every collective over them is staged through one
 flat CPU tensor (``_on_host``, ``_pieces``). gloo does accept CUDA tensors for
 broadcast and all_reduce, but only this staged path runs on the CPU box where the
@@ -81,13 +82,16 @@ def _store(endpoint: str, rank: int, world: int, timeout: datetime.timedelta) ->
     return dist.TCPStore(host, int(port), world, True, timeout=timeout, master_listen_fd=fd)
 
 
-def join(endpoint: str, rank: int, world: int, timeout_s: float) -> None:
-    """Form the group (blocks until all ``world`` ranks arrived, or raises GroupError after the time-out)."""
+def join(endpoint: str, rank: int, world: int, timeout_s: float, backend: str = "gloo") -> None:
+    """Form the group (blocks until all ``world`` ranks arrived, or raises GroupError after the time-out).
+
+    ``backend``: "gloo", or "cpu:gloo,cuda:nccl" for a sharded group on GPUs (the protocol's CPU tensors go
+    over gloo, FSDP2's collectives on device tensors over NCCL; not yet run on a GPU)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = _store(endpoint, rank, world, timeout)
         _rendezvous.append(store)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as exc:  # torch raises several unrelated types here
         raise GroupError(f"could not form the learner group at {endpoint} as rank {rank}/{world} "
                          f"within {timeout_s:.0f}s: {exc}") from exc
