@@ -52,11 +52,17 @@ def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_
     assert run.leftover() == []
 
 
-def test_a_dead_sharded_rank_restarts_its_group_from_the_checkpoint(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 14, (1, 1, 1, 2)), *SHARDED, "run.checkpoint_every=3",
-              config="configs/pool.toml")
-    run.wait_steps(5, "llama")
+def _follower_killed(tmp_path, cache, steps: int, checkpoint_every: int, at_step: int) -> Run:
+    """A run whose llama follower rank w4 is SIGKILLed once llama's learner reached ``at_step``."""
+    run = Run(tmp_path / "run", cache, *static_pool(5, steps, (1, 1, 1, 2)), *SHARDED,
+              f"run.checkpoint_every={checkpoint_every}", config="configs/pool.toml")
+    run.wait_steps(at_step, "llama")
     run.kill_worker("w4")
+    return run
+
+
+def test_a_dead_sharded_rank_restarts_its_group_from_the_checkpoint(tmp_path, engine_cache):
+    run = _follower_killed(tmp_path, engine_cache, steps=14, checkpoint_every=3, at_step=5)
     assert run.finish() == 0, run.out[-3000:]
     result, records = run.result(), run.records()
     restart = run.events("learner_restart")
@@ -75,10 +81,7 @@ def test_a_dead_sharded_rank_restarts_its_group_from_the_checkpoint(tmp_path, en
 
 
 def test_a_sharded_group_without_a_checkpoint_takes_its_model_out(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 40, (1, 1, 1, 2)), *SHARDED, "run.checkpoint_every=0",
-              config="configs/pool.toml")
-    run.wait_steps(2, "llama")
-    run.kill_worker("w4")
+    run = _follower_killed(tmp_path, engine_cache, steps=40, checkpoint_every=0, at_step=2)
     assert run.finish() != 0, run.out[-3000:]
     left = run.events("model_left")
     assert [r["gen_model"] for r in left] == ["llama"] and "no checkpoint" in left[0]["reason"], left
