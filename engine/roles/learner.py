@@ -49,13 +49,15 @@ async def learn_role(worker, group: GroupSpec) -> None:
     """Serve as a rank of ``group`` and of every later formation of it that includes this worker."""
     model = group.model
     if model not in worker.learners:
+        if group.restore:  # a sharded group restarting from a checkpoint: start from it (not the warm start)
+            worker.resume[model] = group.restore
         worker.learners[model] = LearnerCore(worker, model)
     core: LearnerCore = worker.learners[model]
     worker.role_now = ("learner", model)
     try:
         while True:
             rank = group.members.index(worker.id)
-            if group.restore and core.lost:
+            if group.restore and core.resume != group.restore:  # every rank, once: the coordinator rewound too
                 core = _restarted_core(worker, model, group.restore)
             outcome = await _serve(core, group, rank)
             if outcome in (STOP, FINISHED):
@@ -74,9 +76,11 @@ async def learn_role(worker, group: GroupSpec) -> None:
 
 
 def _restarted_core(worker, model: str, path: str) -> LearnerCore:
-    """This rank's state lost with its sharded formation, rebuilt from the checkpoint the next formation names
-    (its leader publishes those weights and replays the log, as a resumed run's does)."""
-    worker.learners.pop(model).close()
+    """This rank's state (lost with its sharded formation, or kept whole by a leader) rebuilt from the checkpoint
+    the next formation names (its leader publishes those weights and replays the log, as a resumed run's does)."""
+    old = worker.learners.pop(model, None)
+    if old is not None:
+        old.close()
     worker.policies.pop(model, None)
     worker.resume[model] = path
     core = worker.learners[model] = LearnerCore(worker, model)
