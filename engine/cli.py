@@ -91,13 +91,56 @@ def _unreachable(url: str, timeout_s: float = 5.0) -> str | None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    node = this_node()
+    if node is not None and node.rank > 0:
+        return serve_node(node)
     _start_actor_server()
     opened = open_run(args)
     if opened is None:
+        refuse_nodes(node)
         _stop_actor_server()
         return 2
     cfg, run_dir = opened
-    return train(cfg, run_dir)
+    return train(cfg, run_dir, node=node)
+
+
+def this_node():
+    """This launcher's node when torchrun started one per node (``engine.runtime.cluster``); None on one machine.
+    A launch environment that cannot make a cluster is one line and exit 2."""
+    from engine.runtime.cluster import ClusterError, from_env
+
+    try:
+        return from_env()
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def serve_node(node) -> int:
+    """Node r > 0: take node 0's plan and serve its run (its own --config and --run-dir are not used)."""
+    from engine.runtime import node_agent
+    from engine.runtime.cluster import NODE_WAIT_S, ClusterError, share_plan
+
+    _start_actor_server()
+    print(f"[node{node.rank}] waiting for node 0 at {node.master_addr} (up to {NODE_WAIT_S:.0f}s)", flush=True)
+    try:
+        plan = share_plan(node, None, NODE_WAIT_S)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return node_agent.serve(node, plan)
+
+
+def refuse_nodes(node) -> None:
+    """Node 0 could not start the run: every other node hears so at once, instead of waiting out its time-out."""
+    from engine.runtime.cluster import NODE_WAIT_S, ClusterError, ClusterPlan, share_plan
+
+    if node is not None:
+        try:
+            share_plan(node, ClusterPlan(error="its config or run directory was refused (see node 0's output)"),
+                       NODE_WAIT_S)
+        except ClusterError:
+            pass
 
 
 def _start_actor_server() -> None:
@@ -113,7 +156,7 @@ def _stop_actor_server() -> None:
     actors.stop_server()
 
 
-def train(cfg, run_dir, resume: bool = False) -> int:
+def train(cfg, run_dir, resume: bool = False, node=None) -> int:
     """The run, with its W&B logger beside it when ``run.wandb`` is on (``monitor.wandb_sink``), then its report."""
     import uvloop
 
@@ -122,7 +165,7 @@ def train(cfg, run_dir, resume: bool = False) -> int:
 
     sink = wandb_sink.start(run_dir, cfg.run.wandb)
     try:
-        code = uvloop.run(Coordinator(cfg, run_dir, resume=resume).run())
+        code = uvloop.run(Coordinator(cfg, run_dir, resume=resume, node=node).run())
     finally:
         wandb_sink.finish(sink)
     return finish_with_report(code, run_dir)
@@ -148,6 +191,9 @@ def resume_command(args: argparse.Namespace) -> int:
     """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
     from pathlib import Path
 
+    node = this_node()
+    if node is not None and node.rank > 0:
+        return serve_node(node)
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
         print(f"error: {run_dir}: not a run directory (no config.toml)", file=sys.stderr)
@@ -183,7 +229,7 @@ def resume_command(args: argparse.Namespace) -> int:
     if args.overrides:
         write_resolved_config(cfg, run_dir)  # a later resume continues with these values
     print(f"resuming {run_dir}", flush=True)
-    return train(cfg, run_dir, resume=True)
+    return train(cfg, run_dir, resume=True, node=node)
 
 
 def cache_command(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ so; the broker's death ends the run. Each is one line on stderr and a metrics re
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import sys
 import tempfile
@@ -32,10 +33,12 @@ from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
 from engine.roles.worker import WorkerPlan
 from engine.runtime import actors
 from engine.outcome import RunResult, report, useful_prompts, write_result
+from engine.runtime.cluster import MARKER, ClusterError, ClusterPlan, Node, node_of
 from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub
 from engine.runtime.metrics import MetricsWriter
+from engine.runtime.nodes import NodeLink
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json
@@ -45,6 +48,7 @@ from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
 from engine.weights.channel import channel_root
+from engine.weights.relay import Relay, WeightsHub
 from exchange.protocol import Stats
 from tasks.registry import make_task
 
@@ -52,16 +56,19 @@ PAUSE_SAID_S = 5.0  # a drive-loop turn this much later than its cadence is said
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False,
+                 node: Node | None = None):
         self.cfg, self.run_dir, self.quiet, self.resuming = cfg, run_dir, quiet, resume
+        self.node = node  # node 0 of a cluster (engine.runtime.cluster); None on one machine
+        self.nodes: NodeLink | None = None
         self.resume_from: dict[str, str] = {}  # model -> checkpoint, for the workers spawned at the start
         self.names = cfg.names
         self.allocator, self.script = make_allocator(cfg), Script(cfg.pool.script)
         self.dispatch = Dispatch(cfg, make_task(cfg.task))
-        self.roster = Roster(self.names)
+        self.roster = Roster(self.names, host_of=self._host_of)
         self.failures = FailurePolicy(self)
         self.actors: dict[str, actors.Actor] = {}
-        self.device_of: dict[str, int] = {}
+        self.place_of: dict[str, tuple[int, int]] = {}  # worker -> (node, device index on that node)
         self.hello: set[str] = set()
         self.trained: dict[str, set[int]] = {m: set() for m in self.names}
         self.last_step_at: dict[str, float] = {}
@@ -92,6 +99,7 @@ class Coordinator:
         result = None
         try:
             self.prep_actors: list[actors.Actor] = []
+            await self._open_plane()
             self.preps = await prepare_all(self.cfg, self.run_dir, self.prep_actors)
             if self.interrupted is None:
                 if self.resuming:
@@ -102,7 +110,7 @@ class Coordinator:
                 self.useful = useful_prompts(self)
                 await halt(self)
                 result = write_result(self)
-        except (RunFailed, PrepFailed) as exc:
+        except (RunFailed, PrepFailed, ClusterError) as exc:
             if self.interrupted is None:
                 self.failures.fail(str(exc))
         finally:
@@ -124,23 +132,55 @@ class Coordinator:
             a.process.kill()  # a warm start is cached only when complete: nothing to save
         self.changed.set()
 
+    @property
+    def host(self) -> str | None:
+        """Where a cluster's node 0 listens (tcp); None: one machine (ipc)."""
+        return self.node.master_addr if self.node else None
+
+    async def _open_plane(self) -> None:
+        """The plane (and, in a cluster, the weight hub and every other node) before anything else."""
+        self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane")
+        self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
+        self.tasks = [asyncio.create_task(self._listen_plane())]
+        if self.node is not None:
+            self.nodes = NodeLink(self.node, self.plane)
+            self.weights_hub = WeightsHub(self.host)
+            self.relay = Relay(self.weights_hub.outbound, self.weights_root)  # node 0's own channels
+            self.tasks += [asyncio.create_task(c) for c in (self.weights_hub.serve(), self.relay.serve(),
+                                                            self._watch_nodes())]
+        for task in self.tasks:
+            task.add_done_callback(self._task_ended)
+        if self.nodes is not None:
+            marker = secrets.token_hex(8)
+            (self.run_dir / MARKER).write_text(marker)
+            await self.nodes.gather(ClusterPlan(self.plane.endpoint, self.weights_hub.outbound,
+                                                str(self.run_dir.resolve()), self.run_dir.name, marker),
+                                    self.cfg.timeouts.worker_start_s)
+            self.say(f"[cluster] {self.node.nodes} nodes: " + ", ".join(
+                f"node {r} at {self.nodes.address(r)}" for r in range(self.node.nodes)))
+
+    async def _watch_nodes(self) -> None:
+        self.failures.fatal = await self.nodes.beat()
+        self.changed.set()
+
+    def _host_of(self, worker: str) -> str:
+        return self.nodes.address(self.place_of[worker][0]) if self.nodes else "127.0.0.1"
+
     async def _start(self) -> None:
         hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
-                              self.cfg.timeouts.worker_start_s)
+                              self.cfg.timeouts.worker_start_s, host=self.host)
         self.hub = hub
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
         write_json(self.run_dir, "endpoints.json", {"publish": self.broker_in, "subscribe": self.broker_out})
         self.say(f"watch the experience stream: python launch.py exchange tail --connect {self.broker_out}")
-        self.plane = CoordinatorPlane(f"ipc://{self.sock_dir}/plane")
         self.metrics = MetricsWriter(self.run_dir, "engine")
-        self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
+        nodes = self.node.nodes if self.node else 1
         for i in range(self.cfg.pool.workers):
-            self.spawn_worker(f"w{i}", i)
+            self.spawn_worker(f"w{i}", node_of(i, self.cfg.pool.workers, nodes))
         self.resume_from = {}  # a worker spawned later (a replacement) joins a group that has the state
-        self.tasks = [asyncio.create_task(c) for c in (self._listen_plane(), self._listen_stats())]
-        for task in self.tasks:
-            task.add_done_callback(self._task_ended)
+        self.tasks.append(asyncio.create_task(self._listen_stats()))
+        self.tasks[-1].add_done_callback(self._task_ended)
 
     def _task_ended(self, task: asyncio.Task) -> None:
         """A listener of the coordinator must never die quietly: the run would wait for messages forever."""
@@ -151,17 +191,24 @@ class Coordinator:
             self.failures.fatal = f"the coordinator's {task.get_coro().__name__} failed: {task.exception()!r}"
             self.changed.set()
 
-    def spawn_worker(self, wid: str, device_index: int, resume: dict[str, str] | None = None) -> None:
+    def spawn_worker(self, wid: str, place: tuple[int, int], resume: dict[str, str] | None = None) -> None:
+        """Start worker ``wid`` at ``place`` (node, device index): here, or through its node's agent."""
+        node, device_index = place
         warm_acc = {p.model: [p.warm_accuracy, p.warm_accuracy_stderr] for p in self.preps}
         plan = WorkerPlan(worker_id=wid, device_index=device_index, run_id=self.run_dir.name,
-                          run_dir=str(self.run_dir), config=self.cfg, broker_in=self.broker_in,
-                          broker_out=self.broker_out, plane=f"ipc://{self.sock_dir}/plane",
-                          weights_root=str(self.weights_root),
+                          run_dir=str(self.run_dir.resolve()), config=self.cfg, broker_in=self.broker_in,
+                          broker_out=self.broker_out, plane=self.plane.endpoint,
+                          weights_root=str(self.weights_root) if node == 0 else self.nodes.weights_root(node),
+                          weights_hub=self.weights_hub.inbound if self.nodes else "",
                           warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc,
                           resume=self.resume_from if resume is None else resume)
-        self.actors[wid] = actors.spawn(wid, "engine.roles.worker:run", msgspec.msgpack.encode(plan),
-                                        self.cfg.pool.threads_per_worker)
-        self.device_of[wid] = device_index
+        payload, threads = msgspec.msgpack.encode(plan), self.cfg.pool.threads_per_worker
+        self.actors[wid] = (actors.spawn(wid, "engine.roles.worker:run", payload, threads) if node == 0
+                            else self.nodes.spawn(node, wid, "engine.roles.worker:run", payload, threads))
+        self.place_of[wid] = place
+        self._write_pids()
+
+    def _write_pids(self) -> None:
         write_json(self.run_dir, "pids.json", {a.name: a.process.pid for a in self.actors.values()})
 
     async def _begin_and_drive(self) -> None:
@@ -228,7 +275,8 @@ class Coordinator:
 
     async def _tick(self, now: float) -> None:
         for move in self.script.due(dict(self.dispatch.steps)):
-            await self.apply({move.worker: (move.role, move.model)}, f"scripted move at {move.step_of} step {move.at_step}")
+            await self.apply({move.worker: (move.role, move.model)}, f"scripted move at {move.step_of} step {move.at_step}",
+                             by_allocator=False)
         changes, reason, records = self.allocator.tick(now, self.fresh, dict(self.roster.assignment))
         self.fresh = []
         for record in records:
@@ -239,7 +287,7 @@ class Coordinator:
         self._check_silence(now)
         self._log_counts()
 
-    async def apply(self, changes: dict[str, tuple[str, str]], reason: str) -> None:
+    async def apply(self, changes: dict[str, tuple[str, str]], reason: str, by_allocator: bool = True) -> None:
         changes = {w: rm for w, rm in changes.items() if w in self.actors and self.actors[w].alive}  # not the dead
         applied, messages = self.roster.apply(changes, reason)
         if not applied:
@@ -247,8 +295,8 @@ class Coordinator:
         self.moves += 1
         for w in applied:
             self.dispatch.reassigned(w)
-            if w not in changes and hasattr(self.allocator, "moved"):
-                self.allocator.moved(w, time.time())  # a leader's stand-in: its dwell starts now
+            if (w not in changes or not by_allocator) and hasattr(self.allocator, "moved"):
+                self.allocator.moved(w, time.time())  # a stand-in's or a scripted move: its dwell starts now
         await self.send_all(messages)
         self.metrics.write(event="assign", changes={w: list(rm) for w, rm in applied.items()}, reason=reason,
                            groups={m: g.members for m, g in self.roster.groups.items()})
@@ -289,7 +337,13 @@ class Coordinator:
     async def _listen_plane(self) -> None:
         while True:
             wid, msg = await self.plane.recv()
+            if self.nodes is not None and self.nodes.take(wid, msg):
+                self.changed.set()
+                continue
             if isinstance(msg, Hello):
+                if self.nodes is not None and wid in self.nodes.remote:
+                    self.nodes.said_hello(wid, msg.pid)
+                    self._write_pids()
                 self.hello.add(wid)
                 await self.failures.hello(wid)
             elif isinstance(msg, WantWork):

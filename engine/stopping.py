@@ -55,7 +55,9 @@ async def shutdown(run) -> None:
         if task is not None:
             task.cancel()
     procs, grace = list(run.actors.values()), run.cfg.timeouts.stop_s
-    await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker"], grace)
+    await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker" and a.local], grace)
+    if run.nodes is not None:
+        await run.nodes.stop(grace)  # every other node stops the workers it runs for us
     if "broker" in run.actors and run.actors["broker"].alive:
         try:
             await asyncio.wait_for(stop_broker(run.pub), grace)
@@ -63,7 +65,7 @@ async def shutdown(run) -> None:
             pass  # stop_all below ends it
     await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], grace)
     await asyncio.to_thread(actors.stop_all, getattr(run, "prep_actors", []), 0.0)
-    for closer in ("sub", "pub", "plane", "metrics"):
+    for closer in ("sub", "pub", "plane", "metrics", "weights_hub", "relay"):
         if hasattr(run, closer):
             getattr(run, closer).close()
     if hasattr(run, "weights_root"):

@@ -23,15 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 class Run:
     """``launch.py run`` in its own session (so a Ctrl-C reaches its whole process group, as in a terminal)."""
 
-    def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml"):
+    def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml",
+                 node: tuple[int, int, int] | None = None):
+        """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster on loopback, started by torchrun
+        as on a real cluster (rendezvous at 127.0.0.1:port)."""
         self.run_dir = run_dir
+        launcher = [sys.executable, str(ROOT / "launch.py")]
+        if node is not None:
+            nodes, rank, port = node
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+                        "1", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}", str(ROOT / "launch.py")]
         if cache is None:  # `launch.py resume RUN_DIR`: everything comes from the run directory
-            args = [sys.executable, str(ROOT / "launch.py"), "resume", str(run_dir)]
+            args = [*launcher, "resume", str(run_dir)]
             for o in overrides:
                 args += ["--set", o]
         else:
-            args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(ROOT / config), "--run-dir",
-                    str(run_dir)]
+            args = [*launcher, "run", "--config", str(ROOT / config), "--run-dir", str(run_dir)]
             for o in (f"run.cache_dir='{cache}'", *overrides):
                 args += ["--set", o]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -24,6 +24,7 @@ from engine.train.ingest import Ingest
 from engine.train.optim import adamw
 from engine.train.sharding import ShardedTwin
 from engine.weights.channel import WeightWriter
+from engine.weights.relay import RelayWriter
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Experience
 from exchange.transport import Subscriber
@@ -93,7 +94,8 @@ class LearnerCore:
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: w.inbox.changed.set())
         self.metrics = MetricsWriter(w.plan.run_dir, self.model_name)
-        self.writer = WeightWriter(w.plan_channel(self.model_name), self.module)
+        self.writer = (RelayWriter(w.plan.weights_hub, self.model_name, self.module) if w.plan.weights_hub
+                       else WeightWriter(w.plan_channel(self.model_name), self.module))
         acc = w.plan.warm_accuracy.get(self.model_name, [None, None])
         self.warm = {"warm_accuracy": acc[0], "warm_accuracy_stderr": acc[1]}
         self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version,

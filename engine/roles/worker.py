@@ -49,10 +49,11 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     broker_in: str
     broker_out: str
     plane: str
-    weights_root: str  # the run's weight channels (engine.weights.channel)
+    weights_root: str  # the run's weight channels on this machine (engine.weights.channel)
     warm_checkpoints: dict[str, str]  # model -> warm-start checkpoint
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
     resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
+    weights_hub: str = ""  # a cluster's weight hub: a leader publishes there, not in this machine's channel
 
 
 def start_module(cfg: RunConfig, m: ModelConfig, tok, warm: str, resume: str | None) -> torch.nn.Module:

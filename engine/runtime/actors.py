@@ -155,6 +155,11 @@ class Actor:
     def exitcode(self) -> int | None:
         return self.process.exitcode
 
+    @property
+    def local(self) -> bool:
+        """A process of this machine (not one a cluster's node agent runs for us: ``engine.runtime.nodes``)."""
+        return isinstance(self.process, mp.process.BaseProcess)
+
 
 def spawn(name: str, entry: str, payload: bytes, threads: int = 1) -> Actor:
     proc = _CTX.Process(target=actor_main, args=(entry, payload, threads), name=name, daemon=False)

@@ -163,13 +163,13 @@ class FailurePolicy:
             return None
         step = checkpoint.read_state(path)["step"]
         c.dispatch.steps[model] = step  # rewound: the steps after the checkpoint are trained again
-        new = f"w{len(c.device_of)}"
+        new = f"w{len(c.place_of)}"
         n = self.learner_restarts[model] = self.learner_restarts.get(model, 0) + 1
         delay = c.cfg.pool.restart_backoff_s * 2 ** (n - 1)  # a learner that keeps dying is not respawned in a tight loop
         self.respawned.append(new)
         self.waiting_role[new] = ("learner", model)
-        c.device_of[new] = c.device_of[dead]  # the name is taken from now on
-        asyncio.get_running_loop().call_later(delay, self._spawn_late, new, c.device_of[dead], model, str(path))
+        c.place_of[new] = c.place_of[dead]  # the name is taken from now on
+        asyncio.get_running_loop().call_later(delay, self._spawn_late, new, c.place_of[dead], model, str(path))
         c.metrics.write(event="learner_restart", gen_model=model, worker=new, step=step, checkpoint=str(path),
                         attempt=n, backoff_s=delay)
         return f": {new} restarts {model}'s learner from its step-{step} checkpoint in {delay:g}s, replaying the log"
@@ -196,16 +196,16 @@ class FailurePolicy:
         await c.send_all(messages)
         c.dispatch_all()
 
-    def _spawn_late(self, wid: str, device: int, model: str, path: str) -> None:
+    def _spawn_late(self, wid: str, place: tuple[int, int], model: str, path: str) -> None:
         if not self.c.stopping and model not in self.left:
-            self.c.spawn_worker(wid, device, resume={model: path})
+            self.c.spawn_worker(wid, place, resume={model: path})
 
     def _respawn(self, dead: str, role: tuple[str, str]) -> str | None:
         c = self.c
         if len(self.respawned) >= c.cfg.pool.max_respawns or role[0] == "idle" or role[1] in self.left:
             return None
-        new = f"w{len(c.device_of)}"
-        c.spawn_worker(new, c.device_of[dead])
+        new = f"w{len(c.place_of)}"
+        c.spawn_worker(new, c.place_of[dead])
         self.respawned.append(new)
         self.waiting_role[new] = role
         return new

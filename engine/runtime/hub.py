@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from engine.runtime import actors
+from engine.runtime.cluster import tcp
 from exchange.broker import Broker, BrokerConfig
 from exchange.protocol import SCHEMA_VERSION, Control
 from exchange.transport import Publisher, Subscriber
@@ -56,9 +57,14 @@ async def restart_broker(hub: Hub, timeout_s: float) -> actors.Actor:
     return hub.actor
 
 
-async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float) -> Hub:
-    """Spawn the broker and wait until the coordinator's own subscription is live."""
-    broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float,
+                    host: str | None = None) -> Hub:
+    """Spawn the broker and wait until the coordinator's own subscription is live; on ``host`` over tcp
+    (a cluster's node 0), else on ipc endpoints in ``sock_dir``."""
+    if host is None:
+        broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+    else:
+        broker_in, broker_out = tcp(host), tcp(host)
     config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"),
                           name="broker", run_id=run_dir.name)
     actor = spawn_broker(config)

@@ -181,8 +181,62 @@ class BrokerBack(_Msg, tag="broker"):
     restarts: int
 
 
-ToCoordinator = Union[Hello, WantWork, HandBack, UnitDone, StepDone, GroupFormed, GroupBroken, LearnerFinal]
+# node agent (a launcher on node r > 0 of a cluster, engine.runtime.node_agent) <-> coordinator
+class NodeHello(_Msg, tag="nhello"):
+    """A node's launcher is connected: ``address`` is where the node's workers are reached from the others."""
+
+    node: int
+    address: str
+    pid: int
+    weights_root: str  # the node's own weight channels (engine.weights.relay keeps them fresh)
+    problem: str = ""  # why the node cannot serve the run (it then exits): the run stops with this line
+
+
+class NodeBeat(_Msg, tag="beat"):
+    """Either side is alive (every ``cluster.HEARTBEAT_S``): a node or a coordinator silent for long is gone."""
+
+
+class ActorExited(_Msg, tag="aexit"):
+    """An actor this node spawned has exited with ``exitcode``."""
+
+    node: int
+    name: str
+    exitcode: int
+
+
+class NodeDone(_Msg, tag="ndone"):
+    """The node stopped every actor it spawned (after ``NodeStop``); their exit codes."""
+
+    node: int
+    exitcodes: dict[str, int]
+
+
+class Spawn(_Msg, tag="spawn"):
+    """Start an actor on this node: ``entry`` over ``payload`` (a worker: its encoded WorkerPlan)."""
+
+    name: str
+    entry: str
+    payload: bytes
+    threads: int
+
+
+class Signal(_Msg, tag="signal"):
+    """Send ``signum`` to one actor of this node (the coordinator's escalation when it will not stop)."""
+
+    name: str
+    signum: int
+
+
+class NodeStop(_Msg, tag="nstop"):
+    """The run is over: stop every actor (``grace_s`` to exit on their own), answer ``NodeDone``, exit."""
+
+    grace_s: float
+
+
+ToCoordinator = Union[Hello, WantWork, HandBack, UnitDone, StepDone, GroupFormed, GroupBroken, LearnerFinal,
+                      NodeHello, NodeBeat, ActorExited, NodeDone]
 ToWorker = Union[Order, Regroup, Work, PeersGone, Halt, BrokerBack]
+ToNode = Union[Spawn, Signal, NodeBeat, NodeStop]
 
 
 class CoordinatorPlane:
@@ -192,6 +246,7 @@ class CoordinatorPlane:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://HOST:* -> the port taken
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ToCoordinator)
 
@@ -199,7 +254,7 @@ class CoordinatorPlane:
         identity, payload = await self._sock.recv_multipart()
         return identity.decode(), self._dec.decode(payload)
 
-    async def send(self, worker_id: str, msg: ToWorker) -> None:
+    async def send(self, worker_id: str, msg: ToWorker | ToNode) -> None:
         await self._sock.send_multipart([worker_id.encode(), self._enc.encode(msg)])
 
     def close(self) -> None:
@@ -207,17 +262,17 @@ class CoordinatorPlane:
 
 
 class WorkerPlane:
-    """DEALER side, identity = worker id."""
+    """DEALER side, identity = worker id (a node agent: ``node<r>``, reading ``ToNode``)."""
 
-    def __init__(self, endpoint: str, worker_id: str):
+    def __init__(self, endpoint: str, worker_id: str, reads=ToWorker):
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.connect(endpoint)
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(ToWorker)
+        self._dec = msgspec.msgpack.Decoder(reads)
 
-    async def recv(self) -> ToWorker:
+    async def recv(self):
         return self._dec.decode(await self._sock.recv())
 
     async def send(self, msg: ToCoordinator) -> None:

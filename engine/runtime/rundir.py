@@ -55,7 +55,8 @@ def mark(run_dir: Path, marker: str, text: str) -> None:
         f.write(text.rstrip() + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` (an address of this machine) now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]

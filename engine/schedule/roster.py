@@ -18,13 +18,14 @@ from exchange.protocol import SCHEMA_VERSION, Assign
 RoleOf = tuple[str, str]
 
 
-def _endpoint() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
+def _loopback(worker: str) -> str:
+    return "127.0.0.1"
 
 
 class Roster:
-    def __init__(self, models: list[str]):
+    def __init__(self, models: list[str], host_of=_loopback):
         self.models = models
+        self.host_of = host_of  # worker -> the address of its machine (where a group's rank 0 serves its rendezvous)
         self.assignment: dict[str, RoleOf] = {}
         self.groups: dict[str, GroupSpec] = {}
         self.seq = 0  # Assign epochs: a worker ignores an order older than the one it holds
@@ -36,8 +37,14 @@ class Roster:
         self.t0 = t0
         self.assignment = dict(initial)
         for m in self.models:
-            self.groups[m] = GroupSpec(m, 1, _endpoint(), self.members(m))
+            self.groups[m] = GroupSpec(m, 1, self._endpoint(self.members(m)), self.members(m))
         return self._orders(initial, "initial split")
+
+    def _endpoint(self, members: list[str]) -> str:
+        """A fresh rendezvous on the machine of the group's rank 0 (a port free on the coordinator's: on another
+        machine it may be taken, and the formation then fails and re-forms on another)."""
+        host = self.host_of(members[0]) if members else "127.0.0.1"
+        return f"tcp://{'[' + host + ']' if ':' in host else host}:{free_port()}"
 
     def members(self, model: str) -> list[str]:
         return sorted(w for w, rm in self.assignment.items() if rm == ("learner", model))
@@ -87,7 +94,7 @@ class Roster:
     def _reform(self, model: str, members: list[str], tell: list[str]) -> list[tuple[str, object]]:
         # a restore is carried by every formation until one has formed: a later one may overtake it
         restore = self.restoring.get(model, "")
-        group = GroupSpec(model, self.groups[model].epoch + 1, _endpoint(), members, restore)
+        group = GroupSpec(model, self.groups[model].epoch + 1, self._endpoint(members), members, restore)
         self.groups[model] = group
         self.regroups += 1
         return [(w, Regroup(group)) for w in tell]

@@ -18,8 +18,8 @@ Why nobody reads half-written weights and nobody waits:
 - The kernel drops a dead process's locks, so a generator that dies holds nothing.
 
 Weights on a GPU are staged through the slots (device -> host on publish, host -> device
-on load). Across hosts there is no shared memory: a channel for that is the open part
-of the GPU issue.
+on load). Across hosts there is no shared memory: every node has its own channels, and
+``relay`` carries each version to them over ZeroMQ.
 """
 
 from __future__ import annotations
@@ -164,13 +164,19 @@ class WeightWriter:
         self.nbytes = self.slots.nbytes
 
     def publish(self, version: int) -> None:
+        self._publish(version, self._pack)
+
+    def _pack(self, slot: int) -> None:
+        with torch.no_grad():
+            for view, p in zip(self.slots.views(slot), self.slots.params):
+                view.copy_(p.detach())  # device -> host for weights on a GPU
+
+    def _publish(self, version: int, fill) -> None:
         s = self.slots
         slot = self._lock_free_slot()
         try:
             s.set_stamp(slot, -1)  # a crash from here on leaves a slot readers skip
-            with torch.no_grad():
-                for view, p in zip(s.views(slot), s.params):
-                    view.copy_(p.detach())  # device -> host for weights on a GPU
+            fill(slot)
             s.set_stamp(slot, version)
             tmp = s.dir / f".head-{os.getpid()}"
             tmp.unlink(missing_ok=True)
@@ -197,6 +203,24 @@ class WeightWriter:
 
     def close(self) -> None:
         self.slots.close()
+
+
+class RawWriter(WeightWriter):
+    """A channel's writer that has no model, only its packed bytes (``engine.weights.relay``: a node's copy
+    of weights a learner on another machine packed the same way)."""
+
+    def __init__(self, directory: Path, dtype: torch.dtype, numel: int):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.slots = _Slots(directory, [torch.empty(numel, dtype=dtype, device="meta")])
+        self.nbytes = self.slots.nbytes
+
+    def publish_bytes(self, version: int, data) -> None:
+        """Publish ``data`` (a buffer of exactly ``nbytes``) as ``version``."""
+        if len(memoryview(data).cast("B")) != self.nbytes:
+            raise WeightSyncError(f"{self.slots.dir}: {len(memoryview(data).cast('B'))} bytes arrived for a "
+                                  f"channel of {self.nbytes}")
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        self._publish(version, lambda slot: self.slots.weights(slot).view(torch.uint8).copy_(flat))
 
 
 class WeightReader:

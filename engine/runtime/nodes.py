@@ -1,0 +1,141 @@
+"""The coordinator's side of a cluster: the other nodes' launchers, and the actors they run for it.
+
+A worker on node r > 0 is an ``Actor`` like any other, whose process is a ``RemoteProcess``:
+its node agent (``engine.runtime.node_agent``) spawned it, says when it exits, and signals it
+when asked, so the failure policy, the halt and the audit treat it as they treat a local one.
+Both sides beat every ``HEARTBEAT_S``; a node silent for ``SILENT_S`` ends the run (its workers
+went with it, and no node is started again in a run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+from engine.runtime import actors
+from engine.runtime.cluster import HEARTBEAT_S, NODE_WAIT_S, SILENT_S, ClusterError, ClusterPlan, Node, share_plan
+from engine.runtime.plane import (ActorExited, CoordinatorPlane, NodeBeat, NodeDone, NodeHello, NodeStop, Signal,
+                                  Spawn)
+
+
+class RemoteProcess:
+    """What the coordinator uses of a ``multiprocessing.Process``, for a process on another node."""
+
+    def __init__(self, link: NodeLink, node: int, name: str):
+        self.link, self.node, self.name = link, node, name
+        self.pid = 0  # the process's own (on its node), once it says hello
+        self.exitcode: int | None = None
+        self._exited = threading.Event()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def exited(self, code: int) -> None:
+        if self.exitcode is None:
+            self.exitcode = code
+            self._exited.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._exited.wait(timeout)
+
+    def kill(self) -> None:
+        self.link.signal(self.node, self.name, signal.SIGKILL)
+
+
+class NodeLink:
+    """Nodes 1..N-1 as the coordinator sees them: addresses, channel roots, remote actors, heartbeats."""
+
+    def __init__(self, node: Node, plane: CoordinatorPlane):
+        self.node, self.plane = node, plane
+        self.hello: dict[int, NodeHello] = {}
+        self.seen: dict[int, float] = {}
+        self.remote: dict[str, RemoteProcess] = {}
+        self.done: dict[int, NodeDone] = {}
+        self.changed = asyncio.Event()
+
+    @property
+    def others(self) -> list[int]:
+        return list(range(1, self.node.nodes))
+
+    async def gather(self, plan: ClusterPlan, timeout_s: float) -> None:
+        """Hand every node the plan and wait ``timeout_s`` for each to connect (``NodeHello``); ClusterError if
+        one does not."""
+        await asyncio.to_thread(share_plan, self.node, plan, NODE_WAIT_S)
+        deadline = time.time() + timeout_s
+        while True:
+            if refused := [h for h in self.hello.values() if h.problem]:
+                raise ClusterError(f"node {refused[0].node}: {refused[0].problem}")
+            if set(self.hello) == set(self.others):
+                return
+            if time.time() > deadline:
+                missing = sorted(set(self.others) - set(self.hello))
+                raise ClusterError(f"node(s) {missing} took the plan but never connected to {plan.plane} "
+                                   f"within {timeout_s:.0f}s (a firewall between the nodes?)")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    def take(self, sender: str, msg) -> bool:
+        """Handle a node's message (True), or leave it to the coordinator (False)."""
+        if isinstance(msg, NodeHello):
+            self.hello[msg.node] = msg
+        elif isinstance(msg, ActorExited):
+            if msg.name in self.remote:
+                self.remote[msg.name].exited(msg.exitcode)
+        elif isinstance(msg, NodeDone):
+            self.done[msg.node] = msg
+        elif not isinstance(msg, NodeBeat):
+            return False
+        if sender.startswith("node"):
+            self.seen[int(sender[4:])] = time.time()
+        self.changed.set()
+        return True
+
+    def address(self, node: int) -> str:
+        return self.node.master_addr if node == 0 else self.hello[node].address
+
+    def weights_root(self, node: int) -> str:
+        return self.hello[node].weights_root
+
+    def spawn(self, node: int, name: str, entry: str, payload: bytes, threads: int) -> actors.Actor:
+        proc = self.remote[name] = RemoteProcess(self, node, name)
+        asyncio.get_running_loop().create_task(self.plane.send(f"node{node}", Spawn(name, entry, payload, threads)))
+        return actors.Actor(name=name, process=proc)
+
+    def signal(self, node: int, name: str, signum: int) -> None:
+        asyncio.get_running_loop().create_task(self.plane.send(f"node{node}", Signal(name, int(signum))))
+
+    def said_hello(self, name: str, pid: int) -> None:
+        if name in self.remote:
+            self.remote[name].pid = pid
+
+    async def beat(self) -> str:
+        """Beat until a node falls silent; returns why the run must end."""
+        while True:
+            for r in self.others:
+                await self.plane.send(f"node{r}", NodeBeat())
+            now = time.time()
+            for r in self.others:
+                if now - self.seen.get(r, now) > SILENT_S:
+                    return (f"node {r} ({self.address(r)}) said nothing for {SILENT_S:.0f}s: its workers are lost "
+                            "with it; a run does not continue without one of its nodes")
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def stop(self, grace_s: float) -> None:
+        """Every node stops its actors and answers; the plane is read here (the coordinator's listener is gone)."""
+        for r in self.others:
+            await self.plane.send(f"node{r}", NodeStop(grace_s))
+        deadline = time.time() + grace_s + 10.0
+        while set(self.done) != set(self.others) and time.time() < deadline:
+            try:
+                sender, msg = await asyncio.wait_for(self.plane.recv(), max(0.1, deadline - time.time()))
+            except TimeoutError:
+                break
+            self.take(sender, msg)
+        for proc in self.remote.values():
+            codes = self.done.get(proc.node)
+            proc.exited(codes.exitcodes.get(proc.name, -signal.SIGKILL) if codes else -signal.SIGKILL)
