@@ -19,11 +19,11 @@ so; the broker's death ends the run. Each is one line on stderr and a metrics re
 from __future__ import annotations
 
 import asyncio
-import secrets
 import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import msgspec
@@ -33,22 +33,21 @@ from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
 from engine.roles.worker import WorkerPlan
 from engine.runtime import actors
 from engine.outcome import RunResult, report, useful_prompts, write_result
-from engine.runtime.cluster import MARKER, ClusterError, ClusterPlan, Node, node_of
+from engine.runtime.cluster import ClusterError, Node, node_of
 from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub
 from engine.runtime.metrics import MetricsWriter
-from engine.runtime.nodes import NodeLink
+from engine.runtime.nodes import start_cluster
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
-from engine.runtime.rundir import write_json
+from engine.runtime.rundir import write_json, write_pids
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
 from engine.weights.channel import channel_root
-from engine.weights.relay import Relay, WeightsHub
 from exchange.protocol import Stats
 from tasks.registry import make_task
 
@@ -60,12 +59,14 @@ class Coordinator:
                  node: Node | None = None):
         self.cfg, self.run_dir, self.quiet, self.resuming = cfg, run_dir, quiet, resume
         self.node = node  # node 0 of a cluster (engine.runtime.cluster); None on one machine
-        self.nodes: NodeLink | None = None
+        self.host = node.master_addr if node else None  # where node 0 listens (tcp); None: ipc
+        self.nodes = None  # engine.runtime.nodes.NodeLink, in a cluster
         self.resume_from: dict[str, str] = {}  # model -> checkpoint, for the workers spawned at the start
         self.names = cfg.names
         self.allocator, self.script = make_allocator(cfg), Script(cfg.pool.script)
         self.dispatch = Dispatch(cfg, make_task(cfg.task))
-        self.roster = Roster(self.names, host_of=self._host_of)
+        self.roster = Roster(self.names, host_of=lambda w: self.nodes.address(self.place_of[w][0]) if self.nodes
+                             else "127.0.0.1")  # a group's rendezvous is on its leader's machine
         self.failures = FailurePolicy(self)
         self.actors: dict[str, actors.Actor] = {}
         self.place_of: dict[str, tuple[int, int]] = {}  # worker -> (node, device index on that node)
@@ -132,39 +133,14 @@ class Coordinator:
             a.process.kill()  # a warm start is cached only when complete: nothing to save
         self.changed.set()
 
-    @property
-    def host(self) -> str | None:
-        """Where a cluster's node 0 listens (tcp); None: one machine (ipc)."""
-        return self.node.master_addr if self.node else None
-
     async def _open_plane(self) -> None:
         """The plane (and, in a cluster, the weight hub and every other node) before anything else."""
         self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane")
         self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
         self.tasks = [asyncio.create_task(self._listen_plane())]
+        self.tasks[0].add_done_callback(self._task_ended)
         if self.node is not None:
-            self.nodes = NodeLink(self.node, self.plane)
-            self.weights_hub = WeightsHub(self.host)
-            self.relay = Relay(self.weights_hub.outbound, self.weights_root)  # node 0's own channels
-            self.tasks += [asyncio.create_task(c) for c in (self.weights_hub.serve(), self.relay.serve(),
-                                                            self._watch_nodes())]
-        for task in self.tasks:
-            task.add_done_callback(self._task_ended)
-        if self.nodes is not None:
-            marker = secrets.token_hex(8)
-            (self.run_dir / MARKER).write_text(marker)
-            await self.nodes.gather(ClusterPlan(self.plane.endpoint, self.weights_hub.outbound,
-                                                str(self.run_dir.resolve()), self.run_dir.name, marker),
-                                    self.cfg.timeouts.worker_start_s)
-            self.say(f"[cluster] {self.node.nodes} nodes: " + ", ".join(
-                f"node {r} at {self.nodes.address(r)}" for r in range(self.node.nodes)))
-
-    async def _watch_nodes(self) -> None:
-        self.failures.fatal = await self.nodes.beat()
-        self.changed.set()
-
-    def _host_of(self, worker: str) -> str:
-        return self.nodes.address(self.place_of[worker][0]) if self.nodes else "127.0.0.1"
+            await start_cluster(self)
 
     async def _start(self) -> None:
         hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
@@ -185,8 +161,6 @@ class Coordinator:
     def _task_ended(self, task: asyncio.Task) -> None:
         """A listener of the coordinator must never die quietly: the run would wait for messages forever."""
         if not task.cancelled() and task.exception() is not None:
-            import traceback
-
             traceback.print_exception(task.exception())
             self.failures.fatal = f"the coordinator's {task.get_coro().__name__} failed: {task.exception()!r}"
             self.changed.set()
@@ -206,10 +180,7 @@ class Coordinator:
         self.actors[wid] = (actors.spawn(wid, "engine.roles.worker:run", payload, threads) if node == 0
                             else self.nodes.spawn(node, wid, "engine.roles.worker:run", payload, threads))
         self.place_of[wid] = place
-        self._write_pids()
-
-    def _write_pids(self) -> None:
-        write_json(self.run_dir, "pids.json", {a.name: a.process.pid for a in self.actors.values()})
+        write_pids(self.run_dir, self.actors.values())
 
     async def _begin_and_drive(self) -> None:
         workers = [f"w{i}" for i in range(self.cfg.pool.workers)]
@@ -341,9 +312,8 @@ class Coordinator:
                 self.changed.set()
                 continue
             if isinstance(msg, Hello):
-                if self.nodes is not None and wid in self.nodes.remote:
-                    self.nodes.said_hello(wid, msg.pid)
-                    self._write_pids()
+                if self.nodes is not None and self.nodes.said_hello(wid, msg.pid):
+                    write_pids(self.run_dir, self.actors.values())
                 self.hello.add(wid)
                 await self.failures.hello(wid)
             elif isinstance(msg, WantWork):

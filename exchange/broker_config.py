@@ -33,6 +33,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allow_remote: bool = False  # bind tcp on non-loopback addresses (needs the two CURVE settings below)
     curve_secret_key: str | None = None  # the broker's NAME.key_secret (launch.py keys): CurveZMQ on
     curve_allowed_dir: str | None = None  # directory of the client public keys (*.key) let in
+    allow_plaintext: bool = False  # beyond loopback without CURVE: a private network (MUTUAL_RL_CLUSTER_INSECURE)
 
     @property
     def curve(self) -> bool:
@@ -49,7 +50,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 if not self.allow_remote:
                     raise ConfigError(f"{key} = {endpoint!r} is not loopback; set allow_remote = true to expose "
                                       "the exchange")
-                if not self.curve:
+                if not self.curve and not self.allow_plaintext:
                     raise ConfigError(f"{key} = {endpoint!r} is not loopback: set curve_secret_key and "
                                       "curve_allowed_dir (make keys with `python launch.py keys DIR`)")
         if (self.curve_secret_key is None) != (self.curve_allowed_dir is None):

@@ -28,6 +28,7 @@ import msgspec
 HEARTBEAT_S = 2.0  # both sides say they are alive this often ...
 SILENT_S = 30.0  # ... and a side silent this long is gone (a node agent stops its workers and exits)
 NODE_WAIT_S = 300.0  # how long the launchers wait for each other at the start (node 0 loads its config first)
+INSECURE = "MUTUAL_RL_CLUSTER_INSECURE"  # "1": the nodes' network is private (plain tcp between them is accepted)
 MARKER = ".cluster-run"  # written by node 0 in the run dir: a node that cannot read it does not share the filesystem
 
 
@@ -68,7 +69,12 @@ def from_env(environ=os.environ) -> Node | None:
     if missing:
         raise ClusterError(f"WORLD_SIZE={environ['WORLD_SIZE']} but {', '.join(missing)} not set: start every node "
                            "with torchrun (--nnodes N --nproc-per-node 1 --node-rank R --rdzv-endpoint HOST:PORT)")
-    return Node(rank=int(environ["RANK"]), nodes=int(environ["WORLD_SIZE"]), master_addr=environ["MASTER_ADDR"])
+    node = Node(rank=int(environ["RANK"]), nodes=int(environ["WORLD_SIZE"]), master_addr=environ["MASTER_ADDR"])
+    if not node.loopback and environ.get(INSECURE) != "1":
+        raise ClusterError(f"node 0's address {node.master_addr} is not loopback, and the engine's sockets between "
+                           f"nodes are plain tcp (no CurveZMQ keys yet): set {INSECURE}=1 on every node if the "
+                           "network between them is private")
+    return node
 
 
 def share_plan(node: Node, plan: ClusterPlan | None, timeout_s: float) -> ClusterPlan:

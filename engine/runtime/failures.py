@@ -34,7 +34,7 @@ import sys
 
 from engine.runtime.hub import restart_broker
 from engine.runtime.plane import BrokerBack, GroupBroken
-from engine.runtime.rundir import write_json
+from engine.runtime.rundir import write_pids
 from engine.train import checkpoint
 
 SHARDS_LOST = "sharded state lost"  # how a broken fsdp2 formation's GroupBroken reason begins (roles.learner)
@@ -148,7 +148,7 @@ class FailurePolicy:
             self.fatal = f"{why}, and the new one did not come up: {exc}"
             print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
             return False
-        write_json(c.run_dir, "pids.json", {a.name: a.process.pid for a in c.actors.values()})
+        write_pids(c.run_dir, c.actors.values())
         c.metrics.write(event="broker_restart", exitcode=code, restarts=self.broker_restarts)
         for w in c.roster.assignment:
             await c.plane.send(w, BrokerBack(self.broker_restarts))

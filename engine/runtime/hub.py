@@ -66,7 +66,8 @@ async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str,
     else:
         broker_in, broker_out = tcp(host), tcp(host)
     config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"),
-                          name="broker", run_id=run_dir.name)
+                          name="broker", run_id=run_dir.name, allow_remote=host is not None,
+                          allow_plaintext=host is not None)  # a cluster: cluster.from_env refused it unless private
     actor = spawn_broker(config)
     pub = Publisher(broker_in)
     sub = Subscriber(broker_out, topics, name=name, lossless=False)

@@ -10,12 +10,14 @@ went with it, and no node is started again in a run).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import threading
 import time
 
 from engine.runtime import actors
-from engine.runtime.cluster import HEARTBEAT_S, NODE_WAIT_S, SILENT_S, ClusterError, ClusterPlan, Node, share_plan
+from engine.runtime.cluster import (HEARTBEAT_S, MARKER, NODE_WAIT_S, SILENT_S, ClusterError, ClusterPlan, Node,
+                                    share_plan)
 from engine.runtime.plane import (ActorExited, CoordinatorPlane, NodeBeat, NodeDone, NodeHello, NodeStop, Signal,
                                   Spawn)
 
@@ -109,9 +111,11 @@ class NodeLink:
     def signal(self, node: int, name: str, signum: int) -> None:
         asyncio.get_running_loop().create_task(self.plane.send(f"node{node}", Signal(name, int(signum))))
 
-    def said_hello(self, name: str, pid: int) -> None:
+    def said_hello(self, name: str, pid: int) -> bool:
+        """A worker said hello: True if it runs on another node (its pid is known now)."""
         if name in self.remote:
             self.remote[name].pid = pid
+        return name in self.remote
 
     async def beat(self) -> str:
         """Beat until a node falls silent; returns why the run must end."""
@@ -139,3 +143,27 @@ class NodeLink:
         for proc in self.remote.values():
             codes = self.done.get(proc.node)
             proc.exited(codes.exitcodes.get(proc.name, -signal.SIGKILL) if codes else -signal.SIGKILL)
+
+
+async def start_cluster(c) -> None:
+    """Node 0's coordinator ``c`` meets the other nodes: the weight hub and node 0's own relay start, every node
+    gets the plan and connects (its tasks join ``c.tasks``; a node that falls silent makes the run fail)."""
+    from engine.weights.relay import Relay, WeightsHub
+
+    c.nodes = NodeLink(c.node, c.plane)
+    c.weights_hub = WeightsHub(c.host)
+    c.relay = Relay(c.weights_hub.outbound, c.weights_root)  # node 0's own channels
+
+    async def watch_nodes() -> None:
+        c.failures.fatal = await c.nodes.beat()
+        c.changed.set()
+
+    for coro in (c.weights_hub.serve(), c.relay.serve(), watch_nodes()):
+        c.tasks.append(asyncio.create_task(coro))
+        c.tasks[-1].add_done_callback(c._task_ended)
+    marker = secrets.token_hex(8)
+    (c.run_dir / MARKER).write_text(marker)
+    await c.nodes.gather(ClusterPlan(c.plane.endpoint, c.weights_hub.outbound, str(c.run_dir.resolve()),
+                                     c.run_dir.name, marker), c.cfg.timeouts.worker_start_s)
+    c.say(f"[cluster] {c.node.nodes} nodes: " + ", ".join(f"node {r} at {c.nodes.address(r)}"
+                                                          for r in range(c.node.nodes)))

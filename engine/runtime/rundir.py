@@ -55,6 +55,11 @@ def mark(run_dir: Path, marker: str, text: str) -> None:
         f.write(text.rstrip() + "\n")
 
 
+def write_pids(run_dir: Path, actors) -> None:
+    """pids.json: every actor's process id (a worker on another node: its pid there, 0 until it says hello)."""
+    write_json(run_dir, "pids.json", {a.name: a.process.pid for a in actors})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` (an address of this machine) now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
