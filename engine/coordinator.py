@@ -33,7 +33,7 @@ from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
 from engine.roles.worker import WorkerPlan
 from engine.runtime import actors
 from engine.outcome import RunResult, report, useful_prompts, write_result
-from engine.runtime.cluster import ClusterError, Node, node_of
+from engine.runtime.cluster import ClusterError, Node, curve_server, node_of
 from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub
@@ -135,7 +135,8 @@ class Coordinator:
 
     async def _open_plane(self) -> None:
         """The plane (and, in a cluster, the weight hub and every other node) before anything else."""
-        self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane")
+        self.curve = curve_server(self.node.keys) if self.node else None  # before any socket of a cluster binds
+        self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane", self.curve)
         self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
         self.tasks = [asyncio.create_task(self._listen_plane())]
         self.tasks[0].add_done_callback(self._task_ended)
@@ -144,7 +145,7 @@ class Coordinator:
 
     async def _start(self) -> None:
         hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
-                              self.cfg.timeouts.worker_start_s, host=self.host)
+                              self.cfg.timeouts.worker_start_s, self.host, self.node.keys if self.node else "")
         self.hub = hub
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
@@ -173,7 +174,7 @@ class Coordinator:
                           run_dir=str(self.run_dir.resolve()), config=self.cfg, broker_in=self.broker_in,
                           broker_out=self.broker_out, plane=self.plane.endpoint,
                           weights_root=str(self.weights_root) if node == 0 else self.nodes.weights_root(node),
-                          weights_hub=self.weights_hub.inbound if self.nodes else "",
+                          weights_hub=self.weights_hub.inbound if self.nodes else "", curve=self.hub.curve,
                           warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc,
                           resume=self.resume_from if resume is None else resume)
         payload, threads = msgspec.msgpack.encode(plan), self.cfg.pool.threads_per_worker

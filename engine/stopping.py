@@ -68,6 +68,8 @@ async def shutdown(run) -> None:
     for closer in ("sub", "pub", "plane", "metrics", "weights_hub", "relay"):
         if hasattr(run, closer):
             getattr(run, closer).close()
+    if getattr(run, "curve", None) is not None:
+        run.curve.stop()  # the CurveZMQ authenticator's thread, once every socket it served is closed
     if hasattr(run, "weights_root"):
         shutil.rmtree(run.weights_root, ignore_errors=True)
     shutil.rmtree(run.sock_dir, ignore_errors=True)

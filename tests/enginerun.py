@@ -24,7 +24,7 @@ class Run:
     """``launch.py run`` in its own session (so a Ctrl-C reaches its whole process group, as in a terminal)."""
 
     def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml",
-                 node: tuple[int, int, int] | None = None):
+                 node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None):
         """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster on loopback, started by torchrun
         as on a real cluster (rendezvous at 127.0.0.1:port)."""
         self.run_dir = run_dir
@@ -42,6 +42,7 @@ class Run:
             for o in (f"run.cache_dir='{cache}'", *overrides):
                 args += ["--set", o]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})},
                                      start_new_session=True)
         self.lines: list[str] = []
         self.seen: set[int] = set()

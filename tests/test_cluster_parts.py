@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-from engine.runtime.cluster import ClusterError, from_env, node_of
+from engine.runtime.cluster import KEY_NAME, ClusterError, client_keys, curve_server, from_env, node_of
 from engine.runtime.rundir import free_port
 from engine.weights.channel import WeightReader
 from engine.weights.relay import Relay, RelayWriter, WeightsHub
+from exchange.security import make_keys
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -22,8 +23,10 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 def test_one_machine_is_no_cluster_and_a_cluster_needs_one_launcher_per_node():
     assert from_env({}) is None and from_env({"WORLD_SIZE": "1"}) is None
     env = {"WORLD_SIZE": "3", "RANK": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-    with pytest.raises(ClusterError, match="MUTUAL_RL_CLUSTER_INSECURE=1"):  # plain tcp beyond loopback: only if said
+    with pytest.raises(ClusterError, match="MUTUAL_RL_CLUSTER_KEYS=DIR"):  # plain tcp beyond loopback: only if said
         from_env(env)
+    with pytest.raises(ClusterError, match="no cluster.key there"):
+        from_env({**env, "MUTUAL_RL_CLUSTER_KEYS": "/nonexistent"})
     node = from_env({**env, "MUTUAL_RL_CLUSTER_INSECURE": "1"})
     assert (node.rank, node.nodes, node.master_addr, node.loopback) == (2, 3, "10.0.0.1", False)
     with pytest.raises(ClusterError, match="--nproc-per-node 1"):
@@ -38,14 +41,24 @@ def test_workers_fill_nodes_in_contiguous_blocks():
     assert [node_of(i, 4, 1) for i in range(4)] == [(0, i) for i in range(4)]
 
 
-def test_every_node_gets_the_newest_weights_bit_for_bit_and_never_an_older_one(tmp_path):
+@pytest.mark.parametrize("keys", [False, True], ids=["plain", "curve"])
+def test_every_node_gets_the_newest_weights_bit_for_bit_and_never_an_older_one(tmp_path, keys):
+    if keys:
+        make_keys(tmp_path / "keys", KEY_NAME)
+    keys_dir = str(tmp_path / "keys") if keys else ""
+
     async def main():
-        hub = WeightsHub("127.0.0.1")
-        relays = [Relay(hub.outbound, tmp_path / f"node{r}") for r in range(2)]
-        tasks = [asyncio.create_task(t.serve()) for t in (hub, *relays)]
+        server = curve_server(keys_dir)
+        hub = WeightsHub("127.0.0.1", server)
+        relays = [Relay(hub.outbound, tmp_path / f"node{r}", client_keys(keys_dir)) for r in range(2)]
+        strangers = []
+        if keys:  # a pair the cluster does not know: the hub refuses it
+            make_keys(tmp_path / "stranger", KEY_NAME)
+            strangers = [Relay(hub.outbound, tmp_path / "stranger-node", client_keys(str(tmp_path / "stranger")))]
+        tasks = [asyncio.create_task(t.serve()) for t in (hub, *relays, *strangers)]
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 8)
-        writer = RelayWriter(hub.inbound, "m", model)
+        writer = RelayWriter(hub.inbound, "m", model, client_keys(keys_dir))
         seen: list[list[int]] = [[], []]
         for version in range(1, 21):
             with torch.no_grad():
@@ -65,10 +78,13 @@ def test_every_node_gets_the_newest_weights_bit_for_bit_and_never_an_older_one(t
             reader = WeightReader(relay.root / "m", twin)
             assert reader.load() == 20
             copies.append(twin)
+        assert not (tmp_path / "stranger-node").exists()  # by the time every node has version 20, none for it
         for t in tasks:
             t.cancel()
         writer.close()
         hub.close()
+        if server is not None:
+            server.stop()
         return model, copies, seen
 
     model, copies, seen = asyncio.run(main())

@@ -1,16 +1,23 @@
 """Two nodes on loopback, each launcher started by torchrun as on a real cluster: node 0 coordinates, node 1's
-agent runs its workers; they train the same models together while MWRA runs and a scripted move takes a node-1
-worker into a learner group led on node 0. Weights reach each node through the hub, bit for bit."""
+agent runs its workers; they train the same models together while MWRA runs and a scripted move takes a node-0
+worker into a learner group led on node 1. Weights reach each node through the hub, bit for bit; with the cluster's
+keys every ZeroMQ socket between the nodes is CurveZMQ. A node that dies, or a coordinator that dies, ends the run
+on every node with one line and no process left."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import signal
 
+import psutil
 import pytest
 from enginerun import Run
 from poolsetup import script
 from test_engine_pool import _bits_exact
 
+from engine.runtime.cluster import KEY_NAME, KEYS, SILENT_S
+from exchange.security import make_keys
 from engine.runtime.rundir import free_port
 from exchange.log import ExperienceLogReader
 
@@ -20,10 +27,14 @@ CONTROLLER = ("pool.controller={decision_interval_s = 2.0, cooldown_s = 4.0, min
               "ewma_halflife_s = 3.0, min_busy_s = 0.5}")
 
 
-def _nodes(tmp_path, cache, *sets: str) -> tuple[Run, Run]:
+def _nodes(tmp_path, cache, *sets: str, keys: bool = False) -> tuple[Run, Run]:
     port = free_port()
-    node1 = Run(tmp_path / "unused", cache, *sets, config=POOL, node=(2, 1, port))  # takes node 0's run dir
-    node0 = Run(tmp_path / "run", cache, *sets, config=POOL, node=(2, 0, port))
+    env = {}
+    if keys:  # CurveZMQ on every socket between the nodes, as beyond loopback
+        make_keys(tmp_path / "keys", KEY_NAME)
+        env = {KEYS: str(tmp_path / "keys")}
+    node1 = Run(tmp_path / "unused", cache, *sets, config=POOL, node=(2, 1, port), env=env)  # takes node 0's run dir
+    node0 = Run(tmp_path / "run", cache, *sets, config=POOL, node=(2, 0, port), env=env)
     return node0, node1
 
 
@@ -31,10 +42,11 @@ def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache)
     # workers w0-w2 on node 0, w3-w5 on node 1 (contiguous blocks); MWRA's first split leads both groups on node 1
     # (w4: gpt2, w5: llama), and the script moves w2 of node 0 into gpt2's (as MWRA itself would: gpt2 learns slowest)
     node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=6", "train.steps=14", "run.max_minutes=4",
-                          "pool.costs.1.from_s=20", CONTROLLER, script(("gpt2", 2, "w2", "learner", "gpt2")))
+                          "pool.costs.1.from_s=20", CONTROLLER, script(("gpt2", 2, "w2", "learner", "gpt2")), keys=True)
     assert node0.finish() == 0, node0.out[-3000:]
     assert node1.finish() == 0, node1.out[-3000:]
     assert "[cluster] 2 nodes" in node0.out and "[node1] serving the run" in node1.out
+    assert "refused a client" not in node0.out  # every socket between the nodes spoke CurveZMQ with the pair
     assert not (tmp_path / "unused").exists()  # node 1 writes into node 0's run directory only
     result, records = node0.result(), node0.records()
     assert result["steps"] == {"gpt2": 14, "llama": 14}
@@ -57,3 +69,37 @@ def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache)
         for m in ("gpt2", "llama"):
             _bits_exact(result, records, w, m)
     assert node0.leftover() == [] and node1.leftover() == []
+
+
+def _killed(run: Run) -> None:
+    """The whole machine of ``run`` is gone: torchrun, the launcher, its fork server and every worker, at once
+    (torchrun starts the launcher in a session of its own: a process group is not the machine)."""
+    procs = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
+    run.seen.update(p.pid for p in procs)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    run.proc.wait(30)
+
+
+def test_a_node_that_dies_ends_the_run_in_one_line_and_nothing_is_left(tmp_path, engine_cache):
+    node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=4", "train.steps=200",
+                          "run.max_minutes=4")
+    node0.wait_steps(2)
+    _killed(node1)
+    code = node0.finish(timeout=300)
+    assert code != 0, node0.out[-3000:]
+    assert f"node 1 (127.0.0.1) said nothing for {SILENT_S:.0f}s" in node0.out, node0.out[-3000:]
+    assert (node0.run_dir / "FAILED").exists()
+    assert node0.leftover() == [] and node1.leftover() == []
+
+
+def test_a_node_whose_coordinator_dies_stops_its_workers_and_exits(tmp_path, engine_cache):
+    node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=4", "train.steps=200",
+                          "run.max_minutes=4")
+    node0.wait_steps(2)
+    _killed(node0)
+    assert node1.finish(timeout=300) != 0, node1.out[-3000:]
+    assert "the coordinator" in node1.out and f"said nothing for {SILENT_S:.0f}s: stopping this node's workers" \
+        in node1.out, node1.out[-3000:]
+    assert node1.leftover() == []

@@ -89,12 +89,13 @@ class LearnerCore:
         peers = {n: load_tokenizer(self.cfg.model(n).tokenizer, cache) for n in self.peers}
         self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id)
         self.ingest.consumed.update(self.consumed)
-        self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}")
+        self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}",
+                              curve=w.plan.curve)
         await self.sub.ready(timeout=self.cfg.timeouts.worker_start_s)
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: w.inbox.changed.set())
         self.metrics = MetricsWriter(w.plan.run_dir, self.model_name)
-        self.writer = (RelayWriter(w.plan.weights_hub, self.model_name, self.module) if w.plan.weights_hub
+        self.writer = (RelayWriter(w.plan.weights_hub, self.model_name, self.module, w.plan.curve) if w.plan.weights_hub
                        else WeightWriter(w.plan_channel(self.model_name), self.module))
         acc = w.plan.warm_accuracy.get(self.model_name, [None, None])
         self.warm = {"warm_accuracy": acc[0], "warm_accuracy_stderr": acc[1]}

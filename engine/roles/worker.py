@@ -31,6 +31,7 @@ from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, re
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
                                   WorkerPlane, WorkUnit)
+from exchange.security import ClientKeys
 from exchange.transport import Publisher
 from policies.lora import add_adapters, load_adapters
 from policies.models import build_policy
@@ -54,6 +55,7 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
     resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
     weights_hub: str = ""  # a cluster's weight hub: a leader publishes there, not in this machine's channel
+    curve: ClientKeys | None = None  # a cluster's CurveZMQ keys: for the plane, the exchange and the weight hub
 
 
 def start_module(cfg: RunConfig, m: ModelConfig, tok, warm: str, resume: str | None) -> torch.nn.Module:
@@ -118,8 +120,8 @@ class Worker:
         self._switch: RoleSwitch | None = None
 
     async def start(self) -> None:
-        self.plane = WorkerPlane(self.plan.plane, self.id)
-        self.pub = Publisher(self.plan.broker_in)
+        self.plane = WorkerPlane(self.plan.plane, self.id, curve=self.plan.curve)
+        self.pub = Publisher(self.plan.broker_in, curve=self.plan.curve)
         self.metrics = MetricsWriter(self.plan.run_dir, "engine")
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: self.inbox.changed.set())

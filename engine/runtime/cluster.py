@@ -23,12 +23,18 @@ import os
 import socket
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import msgspec
+
+from exchange.security import ClientKeys, CurveServer
 
 HEARTBEAT_S = 2.0  # both sides say they are alive this often ...
 SILENT_S = 30.0  # ... and a side silent this long is gone (a node agent stops its workers and exits)
 NODE_WAIT_S = 300.0  # how long the launchers wait for each other at the start (node 0 loads its config first)
 INSECURE = "MUTUAL_RL_CLUSTER_INSECURE"  # "1": the nodes' network is private (plain tcp between them is accepted)
+KEYS = "MUTUAL_RL_CLUSTER_KEYS"  # a directory holding cluster.key and cluster.key_secret: CurveZMQ between nodes
+KEY_NAME = "cluster"  # python launch.py keys DIR --name cluster
 MARKER = ".cluster-run"  # written by node 0 in the run dir: a node that cannot read it does not share the filesystem
 
 
@@ -41,6 +47,7 @@ class Node:
     rank: int  # 0: the coordinator's node
     nodes: int
     master_addr: str  # node 0's address, as torchrun's rendezvous gave it
+    keys: str = ""  # KEYS: every ZeroMQ socket between the nodes is CurveZMQ with this key pair
 
     @property
     def loopback(self) -> bool:
@@ -55,6 +62,7 @@ class ClusterPlan(msgspec.Struct, frozen=True):
     run_dir: str = ""
     run_id: str = ""
     marker: str = ""  # the content of run_dir/MARKER
+    keys: str = ""  # node 0's KEYS (every node reads the pair there: a shared filesystem, or the same path)
     error: str = ""  # node 0 could not start the run (a bad config): every node says it and exits 2
 
 
@@ -69,12 +77,34 @@ def from_env(environ=os.environ) -> Node | None:
     if missing:
         raise ClusterError(f"WORLD_SIZE={environ['WORLD_SIZE']} but {', '.join(missing)} not set: start every node "
                            "with torchrun (--nnodes N --nproc-per-node 1 --node-rank R --rdzv-endpoint HOST:PORT)")
-    node = Node(rank=int(environ["RANK"]), nodes=int(environ["WORLD_SIZE"]), master_addr=environ["MASTER_ADDR"])
-    if not node.loopback and environ.get(INSECURE) != "1":
-        raise ClusterError(f"node 0's address {node.master_addr} is not loopback, and the engine's sockets between "
-                           f"nodes are plain tcp (no CurveZMQ keys yet): set {INSECURE}=1 on every node if the "
-                           "network between them is private")
+    keys = environ.get(KEYS, "")
+    for name in (f"{KEY_NAME}.key", f"{KEY_NAME}.key_secret") if keys else ():
+        if not (Path(keys) / name).is_file():
+            raise ClusterError(f"{KEYS}={keys}: no {name} there (make the pair with "
+                               f"`python launch.py keys {keys} --name {KEY_NAME}`)")
+    node = Node(rank=int(environ["RANK"]), nodes=int(environ["WORLD_SIZE"]), master_addr=environ["MASTER_ADDR"],
+                keys=keys)
+    if not node.loopback and not keys and environ.get(INSECURE) != "1":
+        raise ClusterError(f"node 0's address {node.master_addr} is not loopback: set {KEYS}=DIR on every node "
+                           f"(CurveZMQ on the engine's sockets; `python launch.py keys DIR --name {KEY_NAME}`), or "
+                           f"{INSECURE}=1 if the network between them is private")
     return node
+
+
+def client_keys(keys: str) -> ClientKeys | None:
+    """A node's keys as a CurveZMQ client of node 0's sockets (every node holds the same pair); None: plain tcp."""
+    return ClientKeys(f"{keys}/{KEY_NAME}.key_secret", f"{keys}/{KEY_NAME}.key") if keys else None
+
+
+def curve_server(keys: str) -> CurveServer | None:
+    """Node 0's side: its sockets are CurveZMQ servers admitting the cluster's key; started (stop it at the end)."""
+    if not keys:
+        return None
+    import zmq.asyncio
+
+    server = CurveServer(zmq.Context.shadow(zmq.asyncio.Context.instance()), f"{keys}/{KEY_NAME}.key_secret", keys)
+    server.start()  # the authenticator of the process's ZeroMQ context: before any socket binds
+    return server
 
 
 def share_plan(node: Node, plan: ClusterPlan | None, timeout_s: float) -> ClusterPlan:

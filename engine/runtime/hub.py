@@ -14,9 +14,10 @@ from pathlib import Path
 import msgspec
 
 from engine.runtime import actors
-from engine.runtime.cluster import tcp
+from engine.runtime.cluster import KEY_NAME, client_keys, tcp
 from exchange.broker import Broker, BrokerConfig
 from exchange.protocol import SCHEMA_VERSION, Control
+from exchange.security import ClientKeys
 from exchange.transport import Publisher, Subscriber
 
 
@@ -39,6 +40,7 @@ class Hub:
     pub: Publisher
     sub: Subscriber
     config: BrokerConfig
+    curve: ClientKeys | None = None  # a cluster's keys: the broker is a CurveZMQ server, every client uses them
 
 
 def spawn_broker(config: BrokerConfig) -> actors.Actor:
@@ -49,7 +51,7 @@ async def restart_broker(hub: Hub, timeout_s: float) -> actors.Actor:
     """A new broker on the dead one's endpoints and log (its torn tail cut); returns once it serves subscribers.
     Publishers reconnect on their own and re-send what was never confirmed."""
     hub.actor = spawn_broker(hub.config)
-    probe = Subscriber(hub.broker_out, ["stats"], name="coordinator-probe", lossless=False)
+    probe = Subscriber(hub.broker_out, ["stats"], name="coordinator-probe", lossless=False, curve=hub.curve)
     try:
         await probe.ready(timeout=timeout_s)
     finally:
@@ -58,18 +60,20 @@ async def restart_broker(hub: Hub, timeout_s: float) -> actors.Actor:
 
 
 async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float,
-                    host: str | None = None) -> Hub:
+                    host: str | None = None, keys: str = "") -> Hub:
     """Spawn the broker and wait until the coordinator's own subscription is live; on ``host`` over tcp
-    (a cluster's node 0), else on ipc endpoints in ``sock_dir``."""
+    (a cluster's node 0; CurveZMQ with the cluster's ``keys``), else on ipc endpoints in ``sock_dir``."""
     if host is None:
         broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
     else:
         broker_in, broker_out = tcp(host), tcp(host)
     config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"),
                           name="broker", run_id=run_dir.name, allow_remote=host is not None,
-                          allow_plaintext=host is not None)  # a cluster: cluster.from_env refused it unless private
-    actor = spawn_broker(config)
-    pub = Publisher(broker_in)
-    sub = Subscriber(broker_out, topics, name=name, lossless=False)
+                          allow_plaintext=host is not None and not keys,  # cluster.from_env refused it unless private
+                          curve_secret_key=f"{keys}/{KEY_NAME}.key_secret" if keys else None,
+                          curve_allowed_dir=keys or None)
+    actor, curve = spawn_broker(config), client_keys(keys)
+    pub = Publisher(broker_in, curve=curve)
+    sub = Subscriber(broker_out, topics, name=name, lossless=False, curve=curve)
     await sub.ready(timeout=timeout_s)
-    return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub, config=config)
+    return Hub(actor=actor, broker_in=broker_in, broker_out=broker_out, pub=pub, sub=sub, config=config, curve=curve)

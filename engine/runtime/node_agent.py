@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from engine.runtime import actors
-from engine.runtime.cluster import HEARTBEAT_S, MARKER, SILENT_S, ClusterPlan, Node, address_toward
+from engine.runtime.cluster import HEARTBEAT_S, MARKER, SILENT_S, ClusterPlan, Node, address_toward, client_keys
 from engine.runtime.plane import ActorExited, NodeBeat, NodeDone, NodeHello, NodeStop, Signal, Spawn, ToNode, WorkerPlane
 from engine.weights.channel import channel_root
 from engine.weights.relay import Relay
@@ -50,7 +50,7 @@ class NodeAgent:
 
     async def refuse(self, problem: str) -> int:
         """Tell the coordinator why this node cannot serve (the run stops with that line), then leave."""
-        plane = WorkerPlane(self.plan.plane, self.name, reads=ToNode)
+        plane = WorkerPlane(self.plan.plane, self.name, reads=ToNode, curve=client_keys(self.plan.keys))
         await plane.send(self.hello("", problem))
         plane.close()
         return 2
@@ -60,8 +60,8 @@ class NodeAgent:
             self.say(problem)
             return await self.refuse(problem)
         self.root = channel_root(f"{self.plan.run_id}-{self.name}")
-        self.plane = WorkerPlane(self.plan.plane, self.name, reads=ToNode)
-        relay = Relay(self.plan.weights_hub, self.root)
+        self.plane = WorkerPlane(self.plan.plane, self.name, reads=ToNode, curve=client_keys(self.plan.keys))
+        relay = Relay(self.plan.weights_hub, self.root, client_keys(self.plan.keys))
         tasks = [asyncio.create_task(relay.serve()), asyncio.create_task(self._beat())]
         try:
             await self.plane.send(self.hello(str(self.root)))

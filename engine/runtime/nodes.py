@@ -17,7 +17,7 @@ import time
 
 from engine.runtime import actors
 from engine.runtime.cluster import (HEARTBEAT_S, MARKER, NODE_WAIT_S, SILENT_S, ClusterError, ClusterPlan, Node,
-                                    share_plan)
+                                    client_keys, share_plan)
 from engine.runtime.plane import (ActorExited, CoordinatorPlane, NodeBeat, NodeDone, NodeHello, NodeStop, Signal,
                                   Spawn)
 
@@ -151,8 +151,8 @@ async def start_cluster(c) -> None:
     from engine.weights.relay import Relay, WeightsHub
 
     c.nodes = NodeLink(c.node, c.plane)
-    c.weights_hub = WeightsHub(c.host)
-    c.relay = Relay(c.weights_hub.outbound, c.weights_root)  # node 0's own channels
+    c.weights_hub = WeightsHub(c.host, c.curve)
+    c.relay = Relay(c.weights_hub.outbound, c.weights_root, client_keys(c.node.keys))  # node 0's own channels
 
     async def watch_nodes() -> None:
         c.failures.fatal = await c.nodes.beat()
@@ -164,6 +164,6 @@ async def start_cluster(c) -> None:
     marker = secrets.token_hex(8)
     (c.run_dir / MARKER).write_text(marker)
     await c.nodes.gather(ClusterPlan(c.plane.endpoint, c.weights_hub.outbound, str(c.run_dir.resolve()),
-                                     c.run_dir.name, marker), c.cfg.timeouts.worker_start_s)
+                                     c.run_dir.name, marker, keys=c.node.keys), c.cfg.timeouts.worker_start_s)
     c.say(f"[cluster] {c.node.nodes} nodes: " + ", ".join(f"node {r} at {c.nodes.address(r)}"
                                                           for r in range(c.node.nodes)))

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from exchange.protocol import Assign
+from exchange.security import ClientKeys, apply_client
 from tasks.base import Problem
 
 
@@ -239,19 +240,31 @@ ToWorker = Union[Order, Regroup, Work, PeersGone, Halt, BrokerBack]
 ToNode = Union[Spawn, Signal, NodeBeat, NodeStop]
 
 
+async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = True) -> list:
+    """``sock.recv_multipart``, again when ZeroMQ said a message was ready and then had none: with CurveZMQ a
+    connection that goes away meanwhile (a refused or departed peer) does that, and it is no error of ours."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=copy)
+        except zmq.Again:
+            continue
+
+
 class CoordinatorPlane:
     """ROUTER side: ``recv() -> (worker_id, message)``, ``send(worker_id, message)``."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, curve=None):
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:  # a cluster's CurveServer (engine.runtime.cluster)
+            curve.apply(self._sock)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://HOST:* -> the port taken
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ToCoordinator)
 
     async def recv(self) -> tuple[str, ToCoordinator]:
-        identity, payload = await self._sock.recv_multipart()
+        identity, payload = await recv_multipart(self._sock)
         return identity.decode(), self._dec.decode(payload)
 
     async def send(self, worker_id: str, msg: ToWorker | ToNode) -> None:
@@ -264,16 +277,17 @@ class CoordinatorPlane:
 class WorkerPlane:
     """DEALER side, identity = worker id (a node agent: ``node<r>``, reading ``ToNode``)."""
 
-    def __init__(self, endpoint: str, worker_id: str, reads=ToWorker):
+    def __init__(self, endpoint: str, worker_id: str, reads=ToWorker, curve: ClientKeys | None = None):
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(reads)
 
     async def recv(self):
-        return self._dec.decode(await self._sock.recv())
+        return self._dec.decode((await recv_multipart(self._sock))[0])
 
     async def send(self, msg: ToCoordinator) -> None:
         await self._sock.send(self._enc.encode(msg))

@@ -26,7 +26,9 @@ import torch
 import zmq
 import zmq.asyncio
 
+from engine.runtime.plane import recv_multipart
 from engine.weights.channel import RawWriter, WeightSyncError, sync_params
+from exchange.security import ClientKeys, apply_client
 
 
 class Packed(msgspec.Struct, array_like=True, frozen=True):
@@ -45,7 +47,9 @@ class Want(msgspec.Struct, array_like=True, frozen=True):
     known: dict[str, int]
 
 
-def _bind(sock: zmq.Socket, host: str) -> str:
+def _bind(sock: zmq.Socket, host: str, curve) -> str:
+    if curve is not None:
+        curve.apply(sock)
     sock.bind(f"tcp://{'[' + host + ']' if ':' in host else host}:*")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -53,12 +57,12 @@ def _bind(sock: zmq.Socket, host: str) -> str:
 class WeightsHub:
     """Node 0's end: ``inbound`` takes leaders' versions, ``outbound`` answers relays. Run ``serve()`` as a task."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, curve=None):
         ctx = zmq.asyncio.Context.instance()
         self._in, self._out = ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
         for sock in (self._in, self._out):
             sock.setsockopt(zmq.LINGER, 0)
-        self.inbound, self.outbound = _bind(self._in, host), _bind(self._out, host)
+        self.inbound, self.outbound = _bind(self._in, host, curve), _bind(self._out, host, curve)
         self.latest: dict[str, tuple[Packed, zmq.Frame]] = {}
         self.waiting: dict[bytes, dict[str, int]] = {}  # relay identity -> what it holds
         self.seq = 0
@@ -70,7 +74,7 @@ class WeightsHub:
     async def _take(self) -> None:
         dec = msgspec.msgpack.Decoder(Packed)
         while True:
-            header, data = await self._in.recv_multipart(copy=False)
+            header, data = await recv_multipart(self._in, copy=False)
             self.seq += 1
             packed = msgspec.structs.replace(dec.decode(header.bytes), seq=self.seq)
             self.latest[packed.model] = (packed, data)
@@ -81,7 +85,7 @@ class WeightsHub:
     async def _asked(self) -> None:
         dec = msgspec.msgpack.Decoder(Want)
         while True:
-            identity, want = await self._out.recv_multipart()
+            identity, want = await recv_multipart(self._out)
             self.waiting[identity] = dec.decode(want).known
             await self._answer(identity)
 
@@ -101,10 +105,11 @@ class WeightsHub:
 class Relay:
     """A node's end: asks the hub for every newer version and publishes it into the node's channel of its model."""
 
-    def __init__(self, endpoint: str, root: Path):
+    def __init__(self, endpoint: str, root: Path, curve: ClientKeys | None = None):
         self.root = root
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self.writers: dict[str, RawWriter] = {}
         self.relayed = 0
@@ -114,7 +119,7 @@ class Relay:
         dec = msgspec.msgpack.Decoder(Packed)
         while True:
             await self._sock.send(msgspec.msgpack.encode(Want(known)))
-            header, data = await self._sock.recv_multipart(copy=False)
+            header, data = await recv_multipart(self._sock, copy=False)
             packed = dec.decode(header.bytes)
             writer = self.writers.get(packed.model)
             if writer is None:
@@ -133,7 +138,7 @@ class Relay:
 class RelayWriter:
     """A leader's end in a cluster: ``publish(version)`` sends its weights to the hub (the ``WeightWriter`` API)."""
 
-    def __init__(self, endpoint: str, model: str, module: torch.nn.Module):
+    def __init__(self, endpoint: str, model: str, module: torch.nn.Module, curve: ClientKeys | None = None):
         self.model, self.params = model, sync_params(module)
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
@@ -142,7 +147,9 @@ class RelayWriter:
         self.numel = sum(p.numel() for p in self.params)
         self.nbytes = self.numel * self.params[0].element_size()
         self._sock = zmq.Context.instance().socket(zmq.PUSH)  # used from one thread at a time (to_thread)
+        self._sock.setsockopt(zmq.SNDHWM, 2)  # a hub that does not take them: publish waits, never queues a model a step
         self._sock.setsockopt(zmq.LINGER, 2000)
+        apply_client(self._sock, curve)
         self._sock.connect(endpoint)
 
     def publish(self, version: int) -> None:
