@@ -27,11 +27,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                       help="topic prefix to follow, repeatable (default: exp. = all experience)")
     tail.add_argument("--count", type=int, default=0, help="exit after N messages (default: run until Ctrl-C)")
     tail.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for the broker (default: %(default)s)")
+    _curve_args(tail)
     tail.set_defaults(handler=_tail)
     stats = cmds.add_parser("stats", help="print the broker's message rates per topic, once per stats window")
     stats.add_argument("--connect", required=True, metavar="ENDPOINT", help="broker backend, e.g. tcp://127.0.0.1:5558")
     stats.add_argument("--count", type=int, default=0, help="exit after N reports (default: run until Ctrl-C)")
     stats.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for the broker (default: %(default)s)")
+    _curve_args(stats)
     stats.set_defaults(handler=_stats)
     keys = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key, NAME.key_secret) for an exchange "
                                        "that listens beyond loopback")
@@ -39,6 +41,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     keys.add_argument("--name", default="broker", help="file name stem (default: %(default)s); one pair per "
                                                        "broker and per client machine")
     keys.set_defaults(handler=_keys)
+
+
+def _curve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--curve-secret", default=None, metavar="FILE",
+                        help="this client's NAME.key_secret, for a CurveZMQ broker (a cluster: DIR/cluster.key_secret)")
+    parser.add_argument("--curve-server", default=None, metavar="FILE",
+                        help="the broker's public NAME.key (a cluster: DIR/cluster.key)")
+
+
+def _curve(args: argparse.Namespace):
+    """The tap's CurveZMQ keys, or None; both flags or neither (else SystemExit 2 with one line)."""
+    from exchange.security import ClientKeys
+
+    if (args.curve_secret is None) != (args.curve_server is None):
+        print("exchange: --curve-secret and --curve-server go together", file=sys.stderr)
+        raise SystemExit(2)
+    return ClientKeys(args.curve_secret, args.curve_server) if args.curve_secret else None
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -78,10 +97,15 @@ def format_stats(stats: Stats) -> list[str]:
     return lines
 
 
-async def _follow(endpoint: str, topics: list[str], count: int, timeout: float, show) -> int:
+async def _follow(endpoint: str, topics: list[str], count: int, timeout: float, show, curve=None) -> int:
+    from exchange.security import KeyFileError
     from exchange.transport import Subscriber
 
-    sub = Subscriber(endpoint, topics, name="tap", lossless=False)
+    try:
+        sub = Subscriber(endpoint, topics, name="tap", lossless=False, curve=curve)
+    except KeyFileError as exc:
+        print(f"exchange: {exc}", file=sys.stderr)
+        return 2
     try:
         await sub.ready(timeout)
         shown = 0
@@ -125,7 +149,7 @@ def _tail(args: argparse.Namespace) -> int:
         print(format_message(msg), flush=True)
         return True
 
-    return _run(_follow(args.connect, args.topic or ["exp."], args.count, args.timeout, show))
+    return _run(_follow(args.connect, args.topic or ["exp."], args.count, args.timeout, show, _curve(args)))
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -139,4 +163,4 @@ def _stats(args: argparse.Namespace) -> int:
         print("\n".join(format_stats(msg)), flush=True)
         return True
 
-    return _run(_follow(args.connect, ["stats"], args.count, args.timeout, show))
+    return _run(_follow(args.connect, ["stats"], args.count, args.timeout, show, _curve(args)))

@@ -9,10 +9,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
-from enginerun import Run
+from enginerun import ROOT, Run
 from poolsetup import script
 from test_engine_pool import _bits_exact
 
@@ -43,6 +45,14 @@ def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache)
     # (w4: gpt2, w5: llama), and the script moves w2 of node 0 into gpt2's (as MWRA itself would: gpt2 learns slowest)
     node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=6", "train.steps=14", "run.max_minutes=4",
                           "pool.costs.1.from_s=20", CONTROLLER, script(("gpt2", 2, "w2", "learner", "gpt2")), keys=True)
+    node0.wait_steps(1)  # a person taps the stream with the command node 0 printed (the cluster's keys in it) ...
+    tap = node0.out.split("watch the experience stream: python ")[1].splitlines()[0].split()
+    shown = subprocess.run([sys.executable, *tap, "--count", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3, shown.stdout + shown.stderr
+    keyless = [a for i, a in enumerate(tap) if not a.startswith("--curve") and not tap[i - 1].startswith("--curve")]
+    refused = subprocess.run([sys.executable, *keyless, "--count", "1", "--timeout", "3"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and refused.stdout == ""  # ... and without them gets nothing
     assert node0.finish() == 0, node0.out[-3000:]
     assert node1.finish() == 0, node1.out[-3000:]
     assert "[cluster] 2 nodes" in node0.out and "[node1] serving the run" in node1.out

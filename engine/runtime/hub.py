@@ -42,6 +42,11 @@ class Hub:
     config: BrokerConfig
     curve: ClientKeys | None = None  # a cluster's keys: the broker is a CurveZMQ server, every client uses them
 
+    def tail_command(self) -> str:
+        """How a person watches the experience stream of this broker."""
+        keys = f" --curve-secret {self.curve.secret_file} --curve-server {self.curve.server_public_file}" if self.curve else ""
+        return f"python launch.py exchange tail --connect {self.broker_out}{keys}"
+
 
 def spawn_broker(config: BrokerConfig) -> actors.Actor:
     return actors.spawn("broker", "engine.runtime.hub:broker_entry", msgspec.msgpack.encode(config))
