@@ -113,3 +113,15 @@ def test_a_node_whose_coordinator_dies_stops_its_workers_and_exits(tmp_path, eng
     assert "the coordinator" in node1.out and f"said nothing for {SILENT_S:.0f}s: stopping this node's workers" \
         in node1.out, node1.out[-3000:]
     assert node1.leftover() == []
+
+
+def test_ctrl_c_on_node_0_stops_every_node_with_checkpoints(tmp_path, engine_cache):
+    node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=4", "train.steps=200", "run.max_minutes=4")
+    node0.wait_steps(2)
+    node0.signal(signal.SIGINT)  # a terminal's Ctrl-C reaches torchrun, which passes it to the launcher
+    assert node0.finish(timeout=300) != 0
+    node1.finish(timeout=300)  # its agent was told to stop (torchrun's own exit barrier may then fail: its code)
+    assert "stopping (checkpoints and final evaluations follow" in node0.out, node0.out[-3000:]
+    assert "checkpoints and final evaluations: gpt2 at step" in (node0.run_dir / "INTERRUPTED").read_text()
+    assert all((node0.run_dir / "checkpoints" / m / "latest").exists() for m in ("gpt2", "llama"))
+    assert node0.leftover() == [] and node1.leftover() == []
