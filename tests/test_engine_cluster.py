@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import sys
 import psutil
 import pytest
 from enginerun import ROOT, Run
-from poolsetup import script
+from poolsetup import script, static_pool
 from test_engine_pool import _bits_exact
 
 from engine.runtime.cluster import KEY_NAME, KEYS, SILENT_S
@@ -124,4 +125,21 @@ def test_ctrl_c_on_node_0_stops_every_node_with_checkpoints(tmp_path, engine_cac
     assert "stopping (checkpoints and final evaluations follow" in node0.out, node0.out[-3000:]
     assert "checkpoints and final evaluations: gpt2 at step" in (node0.run_dir / "INTERRUPTED").read_text()
     assert all((node0.run_dir / "checkpoints" / m / "latest").exists() for m in ("gpt2", "llama"))
+    assert node0.leftover() == [] and node1.leftover() == []
+
+
+def test_a_dead_worker_on_node_1_is_replaced_on_node_1(tmp_path, engine_cache):
+    # static split in pool-key order: w0, w1 generate gpt2 (node 0), w2, w3 llama, w4, w5 learn (node 1)
+    node0, node1 = _nodes(tmp_path, engine_cache, *static_pool(6, 10, (2, 2, 1, 1)))
+    node0.wait_steps(2, "llama")
+    os.kill(node0.pids()["w3"], signal.SIGKILL)  # its pid on node 1 (this machine, on loopback)
+    node0.wait_for(lambda: node0.pids().get("w6", 0) > 0, "w6's hello")  # a remote pid is known at its hello
+    on_node1 = {p.pid for p in psutil.Process(node1.proc.pid).children(recursive=True)}
+    assert node0.pids()["w6"] in on_node1  # the replacement runs where the dead worker ran
+    assert node0.finish() == 0, node0.out[-3000:]
+    assert node1.finish() == 0, node1.out[-3000:]
+    assert "[run] w3 (generator of llama) exited with code -9" in node0.out and "w6 takes its place" in node0.out
+    result = node0.result()
+    assert result["respawned"] == ["w6"] and result["steps"] == {"gpt2": 10, "llama": 10}
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
     assert node0.leftover() == [] and node1.leftover() == []
