@@ -167,6 +167,8 @@ def test_launch_refuses_an_sglang_url_where_nothing_answers(tmp_path):
     (["train.activation_checkpointing=true"], "train.activation_checkpointing", 'train.sharding = "fsdp2"'),
     (["train.sharding='fsdp2'", "models.1.lora={rank=4}"], "models.1.lora", "not supported"),
     (["train.sharding='zero3'"], "train.sharding", "fsdp2"),
+    (["train.mixed_precision='bf16'"], "train.mixed_precision", 'train.sharding = "fsdp2"'),
+    (["train.sharding='fsdp2'", "train.mixed_precision='fp8'"], "train.mixed_precision", "bf16"),
 ])
 def test_launch_refuses_sharding_settings_it_cannot_honour(tmp_path, sets, key, named):
     args = [arg for s in sets for arg in ("--set", s)]

@@ -263,6 +263,40 @@ def test_a_sharded_formation_holds_and_gives_back_the_replicated_state_bit_for_b
     assert ranks[1]["own_numel_inside"] == 0  # ... a follower only its shards
 
 
+def _bf16_rank(rank: int, endpoint: str, out: str) -> None:
+    """One step of a formation computing in bf16 (train.mixed_precision = "bf16") beside the fp32 replicated step."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=endpoint, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    objective, (model, pad) = _objective("grpo_seq"), _model("gpt2")
+    states = [dp.TrainState(m, adamw(m.parameters(), lr=LR), torch.Generator().manual_seed(0))
+              for m in (model, _model("gpt2")[0])]
+    before = torch.cat([p.detach().reshape(-1).clone() for p in states[0].params])
+    data = _data(0, model.config.vocab_size, 0)
+    twin = ShardedTwin(states[0], rank == 0, torch.device("cpu"), (0.9, 0.999), 1, False, bf16=True)
+    twin.step(data, *_chosen(objective, data), rank, WORLD, objective, pad, 1e6, LR)
+    twin.close()
+    train_share(states[1], data, *_chosen(objective, data), rank, WORLD, objective, pad, 1e6, LR)
+    if rank == 0:
+        bf16, fp32 = (torch.cat([p.detach().reshape(-1) for p in s.params]) for s in states)
+        torch.save({"dtypes": {str(p.dtype) for p in states[0].params}, "bf16": bf16 - before, "fp32": fp32 - before},
+                   out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_bf16_formation_keeps_fp32_master_weights_and_steps_like_fp32(tmp_path) -> None:
+    """train.mixed_precision = "bf16": forward and backward in bfloat16, master weights, reduction and AdamW in
+    fp32. The step is not fp32's bit for bit (bf16 was used) but points the same way."""
+    out = str(tmp_path / "bf16")
+    mp.spawn(_bf16_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    found = torch.load(out)
+    assert found["dtypes"] == {"torch.float32"}
+    bf16, fp32 = found["bf16"], found["fp32"]
+    assert bf16.abs().max() > 0 and not torch.equal(bf16, fp32)
+    assert torch.nn.functional.cosine_similarity(bf16, fp32, dim=0) > 0.9, "the bf16 step went elsewhere"
+
+
 def test_blocks_and_micro_batches() -> None:
     model, _ = _model("qwen2")
     assert [type(b).__name__ for b in decoder_blocks(model)] == ["Qwen2DecoderLayer"] * 2

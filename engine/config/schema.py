@@ -78,6 +78,8 @@ class TrainSection(_Section):
     sharding: Literal["replicate", "fsdp2"] = "replicate"
     grad_accum: PosInt = 1  # fsdp2: micro-batches per rank and step, gradients reduced once after the last
     activation_checkpointing: bool = False  # fsdp2: recompute each block's activations in backward
+    # fsdp2: "bf16" computes forward and backward in bfloat16; master weights, gradient reduction and AdamW stay fp32
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class EvalSection(_Section):

@@ -104,7 +104,8 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
         if sharded:
             t = core.cfg.train
             core.twin = await asyncio.to_thread(dp.collective(ShardedTwin), core.state, rank == 0, w.device,
-                                                t.adam_betas, t.grad_accum, t.activation_checkpointing)
+                                                t.adam_betas, t.grad_accum, t.activation_checkpointing,
+                                                t.mixed_precision == "bf16")
         w.acquired()  # a role switch's new memory is taken once the state has arrived
         await w.plane.send(GroupFormed(w.id, group.model, group.epoch, rank, core.state.version, digest))
         core.last_stats = time.time()

@@ -182,10 +182,10 @@ class ShardedTwin:
     """
 
     def __init__(self, state: dp.TrainState, leader: bool, device: torch.device, betas: tuple[float, float],
-                 accum: int, checkpoint_activations: bool):
+                 accum: int, checkpoint_activations: bool, bf16: bool = False):
         self.plain, self.leader, self.accum = state, leader, accum
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        model = shard(copy.deepcopy(state.model), mesh, checkpoint_activations)
+        model = shard(copy.deepcopy(state.model), mesh, checkpoint_activations, BF16_MASTER_FP32 if bf16 else None)
         twin_params = dict(model.named_parameters())
         self.pairs = [(p, twin_params[n]) for n, p in state.model.named_parameters() if p.requires_grad]
         self.shapes = [p.shape for p, _ in self.pairs]
