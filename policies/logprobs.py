@@ -115,12 +115,19 @@ def pack(prompts: list[np.ndarray], completions: list[np.ndarray], pad_id: int) 
 
 
 def completion_logprobs(model, packed: Packed) -> torch.Tensor:
-    """(N, T) log-probs of completion tokens under ``model`` (differentiable); 0 on padding."""
-    if packed.input_ids.shape[0] == 0:
-        return torch.zeros(0, packed.comp_mask.shape[1])
+    """(N, T) log-probs of completion tokens under ``model`` (differentiable); 0 on padding.
+
+    Rows without a completion token (none, or peers' reward-only samples) run no forward."""
+    if not has_completion_tokens(packed):
+        return torch.zeros_like(packed.comp_mask)
     packed = packed.to(model_device(model))  # the forward runs where the weights are
     full = token_logprobs(model, packed.input_ids, packed.attention_mask, packed.target_mask)  # (N, L)
     return full.gather(1, packed.gather_index) * packed.comp_mask
+
+
+def has_completion_tokens(packed: Packed) -> bool:
+    """Whether ``completion_logprobs`` runs a forward on ``packed`` (a sharded step counts them)."""
+    return bool(packed.target_mask.any())
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

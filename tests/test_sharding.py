@@ -37,13 +37,14 @@ from engine.train.sharding import ShardedTwin, decoder_blocks, micro_batches, sh
 from engine.train.step import peers_for, train_share
 
 WORLD, G, Q, STEPS, LR = 2, 2, 6, 2, 1e-2
-TOKENIZER = {"gpt2": "gpt2", "qwen2": "qwen2"}
+TOKENIZER = {"gpt2": "gpt2", "qwen2": "qwen2", "llama": "mistral"}
 
 
 # PRP reads peer tokens (rank 0's prompts have peers: the ranks run different numbers of forwards);
-# GRPO with both aggregations. Completions have 2 to 5 tokens: micro-batches and ranks hold unequal
+# XGRPO reads peer rewards only (no peer forward anywhere); GRPO with both aggregations. Completions have 2 to 5 tokens: micro-batches and ranks hold unequal
 # token counts, so a token mean is exact only over the step's denominators (engine.train.step.step_totals).
-OBJECTIVES = {"prp": {"kind": "prp"}, "grpo_seq": {"kind": "grpo", "aggregation": "seq_mean"}, "grpo": {"kind": "grpo"}}
+OBJECTIVES = {"prp": {"kind": "prp"}, "xgrpo": {"kind": "xgrpo"}, "grpo": {"kind": "grpo"},
+              "grpo_seq": {"kind": "grpo", "aggregation": "seq_mean"}}
 
 
 def _objective(name: str):
@@ -171,6 +172,7 @@ def _single_rank_grads(arch: str, clip: float, obj: str) -> dict:
     ("gpt2", 1, False, "grpo_seq", True),  # plain data-parallel sharding
     ("qwen2", 2, True, "grpo", True),  # a token mean over micro-batches and ranks; activation checkpointing
     ("qwen2", 1, True, "prp", True),  # peers on one rank only: padding forwards on the other
+    ("llama", 1, False, "xgrpo", True),  # reward-only peers: no peer forward on either rank (hung here once)
     ("qwen2", 2, False, "prp", False),  # accumulation of two-forward micro-batches: see the module doc
 ])
 def test_two_gloo_ranks_of_fsdp2_equal_one_rank(tmp_path, arch: str, accum: int, checkpoint: bool, obj: str,

@@ -21,6 +21,11 @@ def pad_rows(rows: list[np.ndarray], width: int, fill: float, dtype) -> torch.Te
     return torch.from_numpy(out)
 
 
+def forward_count(own: list[OwnSample], peers: list[PeerSample]) -> int:
+    """How many forwards ``build_batch`` runs with a model: one per side with a completion token."""
+    return sum(any(len(s.completion_ids) for s in side) for side in (own, peers))
+
+
 def _logprobs(model, packed: Packed) -> torch.Tensor:
     return torch.zeros_like(packed.comp_mask) if model is None else completion_logprobs(model, packed)
 

@@ -12,8 +12,9 @@ ranks' counts (``engine.train.step.step_totals``). The micro-batches' losses of 
 then add up to the loss of the whole batch on one process, and the step's gradient is its
 gradient to float rounding, for any objective, aggregation and token counts.
 
-FSDP2 needs every rank to run the same forwards (each one all-gathers): ranks agree on how
-many forwards each micro-batch takes (own samples, plus one for peers' tokens) and a rank with
+FSDP2 needs every rank to run the same forwards (each one all-gathers), each of them part of
+the loss (its backward all-gathers again): ranks agree on how many forwards each micro-batch
+takes (own samples, plus one for peers' tokens; reward-only peers run none) and a rank with
 fewer runs zero-weighted ones on two pad tokens. Options: activation checkpointing (HF's
 non-reentrant one, per block) and a MixedPrecisionPolicy (``BF16_MASTER_FP32``: bf16 compute,
 fp32 master weights and fp32 gradient reduction; for GPUs, not yet run on one).
@@ -39,7 +40,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from engine.train import group as dp
-from engine.train.batching import build_batch
+from engine.train.batching import build_batch, forward_count
 from policies import logprobs
 from engine.train.optim import adamw
 from engine.train.step import step_totals
@@ -110,7 +111,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
         state.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last piece
         mine = set(piece)
         own_p, peers_p = [s for s in own if s.prompt_id in mine], [p for p in peers if p.prompt_id in mine]
-        forwards = bool(piece) + bool(piece and peers_p)  # build_batch: one for own samples, one for peers
+        forwards = forward_count(own_p, peers_p) if piece else 0  # what build_batch runs
         # Agreed before any forward runs (each forward is a sequence of all-gathers every rank must join);
         # the last piece runs one somewhere, since its backward is what reduce-scatters the gradients.
         most = _most_forwards(forwards, at_least=int(last))
