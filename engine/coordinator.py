@@ -149,7 +149,7 @@ class Coordinator:
         self.hub = hub
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
-        write_json(self.run_dir, "endpoints.json", {"publish": self.broker_in, "subscribe": self.broker_out})
+        write_json(self.run_dir, "endpoints.json", hub.endpoints())
         self.say(f"watch the experience stream: {hub.tail_command()}")
         self.metrics = MetricsWriter(self.run_dir, "engine")
         nodes = self.node.nodes if self.node else 1

@@ -27,13 +27,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                       help="topic prefix to follow, repeatable (default: exp. = all experience)")
     tail.add_argument("--count", type=int, default=0, help="exit after N messages (default: run until Ctrl-C)")
     tail.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for the broker (default: %(default)s)")
-    _curve_args(tail)
+    add_curve_args(tail)
     tail.set_defaults(handler=_tail)
     stats = cmds.add_parser("stats", help="print the broker's message rates per topic, once per stats window")
     stats.add_argument("--connect", required=True, metavar="ENDPOINT", help="broker backend, e.g. tcp://127.0.0.1:5558")
     stats.add_argument("--count", type=int, default=0, help="exit after N reports (default: run until Ctrl-C)")
     stats.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for the broker (default: %(default)s)")
-    _curve_args(stats)
+    add_curve_args(stats)
     stats.set_defaults(handler=_stats)
     keys = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key, NAME.key_secret) for an exchange "
                                        "that listens beyond loopback")
@@ -43,19 +43,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     keys.set_defaults(handler=_keys)
 
 
-def _curve_args(parser: argparse.ArgumentParser) -> None:
+def add_curve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-secret", default=None, metavar="FILE",
                         help="this client's NAME.key_secret, for a CurveZMQ broker (a cluster: DIR/cluster.key_secret)")
     parser.add_argument("--curve-server", default=None, metavar="FILE",
                         help="the broker's public NAME.key (a cluster: DIR/cluster.key)")
 
 
-def _curve(args: argparse.Namespace):
-    """The tap's CurveZMQ keys, or None; both flags or neither (else SystemExit 2 with one line)."""
+def curve_keys(args: argparse.Namespace, prog: str = "exchange"):
+    """The client's CurveZMQ keys from ``add_curve_args``'s flags, or None; both flags or neither (else
+    SystemExit 2 with one line)."""
     from exchange.security import ClientKeys
 
     if (args.curve_secret is None) != (args.curve_server is None):
-        print("exchange: --curve-secret and --curve-server go together", file=sys.stderr)
+        print(f"{prog}: --curve-secret and --curve-server go together", file=sys.stderr)
         raise SystemExit(2)
     return ClientKeys(args.curve_secret, args.curve_server) if args.curve_secret else None
 
@@ -149,7 +150,7 @@ def _tail(args: argparse.Namespace) -> int:
         print(format_message(msg), flush=True)
         return True
 
-    return _run(_follow(args.connect, args.topic or ["exp."], args.count, args.timeout, show, _curve(args)))
+    return _run(_follow(args.connect, args.topic or ["exp."], args.count, args.timeout, show, curve_keys(args)))
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -163,4 +164,4 @@ def _stats(args: argparse.Namespace) -> int:
         print("\n".join(format_stats(msg)), flush=True)
         return True
 
-    return _run(_follow(args.connect, ["stats"], args.count, args.timeout, show, _curve(args)))
+    return _run(_follow(args.connect, ["stats"], args.count, args.timeout, show, curve_keys(args)))

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import uvloop
 
+from exchange.cli import add_curve_args, curve_keys
+
 MONITOR_NICE = 10
 
 
@@ -36,6 +38,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wandb", nargs="?", const="offline", choices=("offline", "online"), metavar="MODE",
                    help="log the run's metrics to Weights & Biases instead (offline unless MODE is online: "
                         "RUN_DIR/wandb/, then `wandb sync`), following a running run until it ends")
+    add_curve_args(p)  # a run with keys (a cluster) names its own files in endpoints.json: these override them
     p.set_defaults(handler=monitor_command)
 
 
@@ -84,7 +87,8 @@ async def _monitor(args: argparse.Namespace) -> int:
     live = not args.replay and not is_finished(run_dir)
     tasks = []
     if live:
-        attached = Attached(endpoint_of(run_dir), run_dir)
+        endpoint, keys = endpoint_of(run_dir)
+        attached = Attached(endpoint, run_dir, curve_keys(args, "monitor") or keys)
         await attached.ready(args.attach_timeout)
         tasks = [asyncio.create_task(attached.feed(state)), asyncio.create_task(tail_metrics(state, run_dir / "metrics.jsonl"))]
     else:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from exchange.log import ExperienceLogReader, LogCorrupt
 from exchange.protocol import Stats
+from exchange.security import ClientKeys, KeyFileError, KeyRefused
 from exchange.transport import Subscriber
 from monitor.live import LiveState
 
@@ -54,10 +55,13 @@ def models_of(run_dir: Path) -> list[str]:
     return [m["name"] for m in cfg.get("models", []) if isinstance(m, dict) and "name" in m]
 
 
-def endpoint_of(run_dir: Path) -> str:
+def endpoint_of(run_dir: Path) -> tuple[str, ClientKeys | None]:
+    """The broker's subscribe address, and the CurveZMQ key files a client uses when the run has keys (a cluster)."""
     path = run_dir / "endpoints.json"
     try:
-        return json.loads(path.read_text())["subscribe"]
+        found = json.loads(path.read_text())
+        keys = ClientKeys(found["curve_secret"], found["curve_server"]) if "curve_secret" in found else None
+        return found["subscribe"], keys
     except FileNotFoundError:
         raise MonitorError(f"{path}: missing; the run has not started its exchange yet") from None
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -137,18 +141,26 @@ async def tail_metrics(state: LiveState, path: Path, poll_s: float = 0.5) -> Non
 class Attached:
     """A lossy subscription to a running run's broker: everything (experiences, stats, role changes)."""
 
-    def __init__(self, endpoint: str, run_dir: Path) -> None:
-        self.endpoint, self.run_dir = endpoint, run_dir
+    def __init__(self, endpoint: str, run_dir: Path, curve: ClientKeys | None = None) -> None:
+        self.endpoint, self.run_dir, self.curve = endpoint, run_dir, curve
         self.name = f"monitor-{os.getpid()}"
-        self.sub = Subscriber(endpoint, [""], name=self.name, lossless=False, hwm_frames=16,
-                              max_rate=MONITOR_MAX_RATE)
+        try:
+            self.sub = Subscriber(endpoint, [""], name=self.name, lossless=False, hwm_frames=16,
+                                  max_rate=MONITOR_MAX_RATE, curve=curve)
+        except KeyFileError as exc:
+            raise MonitorError(str(exc)) from None
 
     async def ready(self, timeout: float) -> None:
         try:
             await self.sub.ready(timeout)
-        except TimeoutError:
+        except (TimeoutError, KeyRefused):
             self.sub.close()
-            raise MonitorError(f"{self.endpoint} (from {self.run_dir / 'endpoints.json'}): nothing is listening; "
+            where = f"{self.endpoint} (from {self.run_dir / 'endpoints.json'})"
+            if self.curve:  # a CurveZMQ broker drops a wrong key's handshake without a word
+                raise MonitorError(f"{where}: no answer with the keys {self.curve.secret_file} and "
+                                   f"{self.curve.server_public_file}: wrong keys, or the run has ended "
+                                   "(replay its files with --replay)") from None
+            raise MonitorError(f"{where}: nothing is listening; "
                                "the run has ended or was killed (replay its files with --replay)") from None
 
     async def feed(self, state: LiveState) -> None:

@@ -139,6 +139,52 @@ def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
         assert proc.exitcode == 0, "the broker did not stop on its Control stop"
 
 
+def test_a_cluster_run_with_keys_is_watched_with_the_key_files_its_endpoints_name(tmp_path):
+    """A cluster's exchange is CurveZMQ (MUTUAL_RL_CLUSTER_KEYS): endpoints.json names the key files, the
+    monitor taps with them; with a stranger's key (--curve-secret) it says so in one sentence."""
+    from engine.runtime import actors
+    from engine.runtime.hub import start_hub, stop_broker
+    from exchange.security import make_keys
+    from monitor.sources import endpoint_of
+
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "run_result.json").unlink()  # running
+    make_keys(tmp_path / "keys", "cluster")
+    stranger, _ = make_keys(tmp_path / "stranger", "stranger")
+    sent = list(ExperienceLogReader(run_dir / "experience_log"))
+    state = LiveState(["gpt2", "llama"])
+
+    async def main():
+        hub_dir = tmp_path / "hub" / sent[0].run_id  # the broker takes its own run's experiences only
+        hub_dir.mkdir(parents=True)
+        hub = await start_hub(hub_dir, tmp_path, ["stats"], "coordinator", 30, "127.0.0.1", str(tmp_path / "keys"))
+        try:
+            (run_dir / "endpoints.json").write_text(json.dumps(hub.endpoints()))
+            endpoint, keys = endpoint_of(run_dir)
+            attached = Attached(endpoint, run_dir, keys)
+            await attached.ready(30)
+            feeding = asyncio.create_task(attached.feed(state))
+            for e in sent:
+                await hub.pub.send(e)
+            deadline = time.time() + 30
+            while state.received < len(sent) and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            feeding.cancel()
+            attached.close()
+            return await asyncio.to_thread(monitor, str(run_dir), "--once", "--attach-timeout", "2",
+                                           "--curve-secret", str(stranger.with_suffix(".key_secret")),
+                                           "--curve-server", str(tmp_path / "keys" / "cluster.key"))
+        finally:
+            await stop_broker(hub.pub)
+            await hub.pub.aclose()
+            hub.sub.close()
+            actors.stop_all([hub.actor])
+
+    refused = asyncio.run(asyncio.wait_for(main(), 120))
+    assert state.received == len(sent) == 48 and state.missed == 0
+    _one_sentence(refused, "no answer with the keys", "stranger.key_secret")
+
+
 def test_a_live_view_ends_when_the_run_s_broker_closes(tmp_path):
     """The broker's Closing (the run stopped) ends the feed, and the page then says the run ended."""
     front, back = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"

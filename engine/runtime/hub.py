@@ -42,6 +42,11 @@ class Hub:
     config: BrokerConfig
     curve: ClientKeys | None = None  # a cluster's keys: the broker is a CurveZMQ server, every client uses them
 
+    def endpoints(self) -> dict:
+        """endpoints.json: where the exchange is; with a cluster's keys, the files a client reads (paths only)."""
+        keys = {"curve_secret": self.curve.secret_file, "curve_server": self.curve.server_public_file} if self.curve else {}
+        return {"publish": self.broker_in, "subscribe": self.broker_out, **keys}
+
     def tail_command(self) -> str:
         """How a person watches the experience stream of this broker."""
         keys = f" --curve-secret {self.curve.secret_file} --curve-server {self.curve.server_public_file}" if self.curve else ""
