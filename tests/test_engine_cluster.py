@@ -116,7 +116,7 @@ def test_a_node_whose_coordinator_dies_stops_its_workers_and_exits(tmp_path, eng
     assert node1.leftover() == []
 
 
-def test_ctrl_c_on_node_0_stops_every_node_with_checkpoints(tmp_path, engine_cache):
+def test_ctrl_c_on_node_0_stops_every_node_with_checkpoints_and_the_run_resumes_on_both(tmp_path, engine_cache):
     node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=4", "train.steps=200", "run.max_minutes=4")
     node0.wait_steps(2)
     node0.signal(signal.SIGINT)  # a terminal's Ctrl-C reaches torchrun, which passes it to the launcher
@@ -126,6 +126,15 @@ def test_ctrl_c_on_node_0_stops_every_node_with_checkpoints(tmp_path, engine_cac
     assert "checkpoints and final evaluations: gpt2 at step" in (node0.run_dir / "INTERRUPTED").read_text()
     assert all((node0.run_dir / "checkpoints" / m / "latest").exists() for m in ("gpt2", "llama"))
     assert node0.leftover() == [] and node1.leftover() == []
+    more = max(s["step"] for s in node0.steps()) + 4  # `launch.py resume` on every node, as torchrun restarts it
+    port = free_port()
+    resumed = [Run(node0.run_dir, None, f"train.steps={more}", node=(2, rank, port)) for rank in (1, 0)]
+    assert [r.finish() for r in resumed] == [0, 0], resumed[1].out[-3000:] + resumed[0].out[-3000:]
+    result = resumed[1].result()
+    assert result["steps"] == {"gpt2": more, "llama": more} and result["respawned"] == []
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    assert any(r.get("event") == "resumed" for r in resumed[1].records())
+    assert resumed[0].leftover() == [] and resumed[1].leftover() == []
 
 
 def test_a_dead_worker_on_node_1_is_replaced_on_node_1(tmp_path, engine_cache):
