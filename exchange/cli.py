@@ -111,9 +111,11 @@ async def _follow(endpoint: str, topics: list[str], count: int, timeout: float, 
         await sub.ready(timeout)
         shown = 0
         while count <= 0 or shown < count:
-            msg = await sub.recv()
-            if show(msg):
-                shown += 1
+            batch = await sub.recv_batch(1 if count > 0 else 1 << 30)
+            if not batch:
+                print("exchange: the broker closed (its run has ended)", file=sys.stderr)
+                return 0
+            shown += sum(bool(show(msg)) for msg in batch)
         return 0
     except TimeoutError as exc:
         print(f"exchange: {exc}; is the broker running and is ENDPOINT its backend?", file=sys.stderr)

@@ -394,8 +394,11 @@ class Subscriber:
         return self._queue.popleft()
 
     async def recv_batch(self, max_messages: int = 1 << 30) -> list[Message]:
-        """Everything already received (at least one message, at most ``max_messages``)."""
+        """Everything already received (at least one message, at most ``max_messages``); ``[]`` once the
+        broker has said Closing and every message before it is taken: nothing more will come."""
         while not self._queue:
+            if self.broker_closed:
+                return []
             await self._fill()
         n = min(len(self._queue), max_messages)
         return [self._queue.popleft() for _ in range(n)]

@@ -27,7 +27,6 @@ from monitor.live import LiveState
 
 MONITOR_MAX_RATE = 500.0  # experiences/s the broker forwards to a monitor; past it the page shows a sample
 MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
-CLOSED_CHECK_S = 0.5  # a live monitor notices the broker's Closing (the run ended) within this long
 ENDED = ("run_result.json", "FAILED", "INTERRUPTED")  # a run that wrote one of these is over
 
 
@@ -164,24 +163,13 @@ class Attached:
                                "the run has ended or was killed (replay its files with --replay)") from None
 
     async def feed(self, state: LiveState) -> None:
-        """Everything the broker sends, until it says Closing. ``recv_batch`` does not return on a Closing
-        (nothing to hand over: it waits for more), so the flag is looked at every ``CLOSED_CHECK_S``."""
+        """Everything the broker sends, until it says Closing."""
         state.sample_cap = MONITOR_MAX_RATE
-        batch = None
-        try:
-            while not self.sub.broker_closed:
-                batch = batch or asyncio.ensure_future(self.sub.recv_batch(4096))
-                done, _ = await asyncio.wait({batch}, timeout=CLOSED_CHECK_S)
-                if not done:
-                    continue
-                for msg in batch.result():
-                    state.take(msg)
-                    if type(msg) is Stats and msg.role == "broker":
-                        state.missed_by(self.name)
-                batch = None
-        finally:
-            if batch is not None:
-                batch.cancel()
+        while batch := await self.sub.recv_batch(4096):
+            for msg in batch:
+                state.take(msg)
+                if type(msg) is Stats and msg.role == "broker":
+                    state.missed_by(self.name)
         state.replay_done = True  # the broker said Closing: nothing more will come
 
     def close(self) -> None:

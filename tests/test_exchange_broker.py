@@ -257,6 +257,45 @@ def test_tail_and_stats_commands_print_the_live_stream(tmp_path):
     assert "exp.qwen-tiny" in out and "msg/s" in out
 
 
+def test_a_broker_that_stops_ends_recv_batch_and_the_tap(tmp_path):
+    """After the broker's Closing, ``recv_batch`` hands over what came before it, then ``[]`` (never a hang);
+    ``exchange tail`` following the stream says the broker closed and exits 0."""
+    cfg = _config(tmp_path)
+    broker = spawn_broker(cfg)
+    tail = _launch("tail", "--connect", cfg.backend)
+
+    async def drive() -> list:
+        sub = Subscriber(cfg.backend, ["exp."], name="last", lossless=True)
+        await sub.ready()
+        pub = Publisher(cfg.frontend)
+        i = 0
+        while i < 3 or not _said(tail):  # the tap shows traffic: it is following the stream
+            await pub.send(make_experience(i, "gpt2"))
+            i += 1
+            await asyncio.sleep(0.05)
+        await pub.send(Control(SCHEMA_VERSION, "stop"))
+        await pub.aclose()
+        got = []
+        while batch := await asyncio.wait_for(sub.recv_batch(), 30):
+            got += batch
+        assert await asyncio.wait_for(sub.recv_batch(), 5) == []  # and again: it stays ended
+        sub.close()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(drive(), 90))
+    broker.join(30)
+    assert [e.prompt_id for e in got] == [make_experience(i).prompt_id for i in range(len(got))] and len(got) >= 3
+    out, err = tail.communicate(timeout=30)
+    assert tail.returncode == 0 and "the broker closed" in err and "Traceback" not in err, err
+
+
+def _said(proc: subprocess.Popen) -> bool:
+    """Whether the process has printed a line (reads it; never waits for one)."""
+    import select
+
+    return bool(select.select([proc.stdout], [], [], 0)[0]) and bool(proc.stdout.readline())
+
+
 def test_tail_without_a_broker_says_so_and_exits():
     tail = _launch("tail", "--connect", "tcp://127.0.0.1:1", "--timeout", "0.5")
     out, err = tail.communicate(timeout=30)

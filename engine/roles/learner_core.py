@@ -145,6 +145,8 @@ class LearnerCore:
     async def _listen(self) -> None:
         while True:  # what has arrived meanwhile comes as one batch: its peer completions cross the THL together
             msgs = await self.sub.recv_batch(MAX_INGEST_BATCH)
+            if not msgs:  # the broker closed: the run is ending, no peer experience will come
+                return
             self.ingest.add_many([m for m in msgs if isinstance(m, Experience)])
             self.worker.inbox.changed.set()
 
