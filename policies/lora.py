@@ -21,23 +21,13 @@ import copy
 import importlib.util
 import warnings
 from pathlib import Path
-from typing import Annotated
 
-import msgspec
 import torch
-from msgspec import Meta
+
+from policies.spec import LoraSpec
 
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER = "default"  # peft's adapter name; one adapter per model
-
-
-class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """`[models.lora]`: adapters of rank `rank` on the `targets` modules, scaled by alpha / rank."""
-
-    rank: Annotated[int, Meta(ge=1)] = 8
-    alpha: Annotated[float, Meta(gt=0)] = 16.0
-    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    targets: list[str] = []  # module names (e.g. ["q_proj", "v_proj"]); [] = peft's default for the family
 
 
 def peft_missing() -> str | None:

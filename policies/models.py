@@ -16,9 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, TypeAlias
 
-import msgspec
 import torch
 from transformers import (
     AutoConfig,
@@ -31,31 +29,13 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
-# Every model_type AutoModelForCausalLM can build: a config naming another is refused at load.
-CausalLMFamily: TypeAlias = Literal[tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))]  # type: ignore[valid-type]
+from policies.spec import ModelSpec, causal_lm_families
 
 
 class ModelLoadError(Exception):
     """A checkpoint directory is missing, incomplete, corrupt or does not fit the tokenizer."""
-
-
-class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """What model to train: its family, tokenizer and size (or a checkpoint to load)."""
-
-    name: str  # unique per run: names the model's topics, metrics and run-dir files
-    arch: CausalLMFamily  # the model_type (config.json): picks the model class and the prompt template
-    tokenizer: str  # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir
-    n_layer: int = 2
-    n_embd: int = 128
-    n_head: int = 4
-    max_seq_len: int = 128  # prompt + completion; sizes GPT-2's learned position table
-    n_kv_head: int | None = None  # not gpt2: grouped-query attention; None = n_head
-    intermediate_size: int | None = None  # not gpt2: MLP width; None = GPT-2's parameter count
-    tie_embeddings: bool = True  # the vocab matrix dominates tiny models: share it once
-    checkpoint: str | None = None  # a save_pretrained dir, loaded instead of built
 
 
 def build_policy(
@@ -71,6 +51,9 @@ def build_policy(
         model = load_policy(spec.checkpoint)
         _check_fits(model, spec, tokenizer, spec.checkpoint)
         return model
+    if spec.arch not in causal_lm_families():  # a config is checked at load; a spec built in code is checked here
+        raise ModelLoadError(f"arch {spec.arch!r} of model {spec.name!r} is not a causal-LM model_type of the "
+                             "installed transformers")
     config = _config(spec, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

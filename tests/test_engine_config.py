@@ -41,6 +41,8 @@ def test_overrides_reach_nested_and_list_fields():
         ("[train]\nlrr = 0.1\n", "train: unknown field lrr (did you mean lr?)"),
         ("[objective]\nkind = 'ppo'\n", "objective.kind: unknown kind 'ppo'; known: grpo, prp, sgt, sgt_ref, xgrpo"),
         ("[[models]]\nname = 'a'\narch = 'rnn'\ntokenizer = 'gpt2'\n", "models.0.arch"),
+        ("[[models]]\nname = 'a'\narch = 'lama'\ntokenizer = 'gpt2'\n",
+         "models.0.arch: 'lama' is not a causal-LM model_type of the installed transformers (did you mean llama"),
         ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: expected int >= 1, got 0"),
         ("[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "needs >= 2 models"),
         ("this is = not toml [", "not valid TOML"),
@@ -53,6 +55,17 @@ def test_bad_configs_name_the_key_and_file(tmp_path, text, expected):
         load_run_config(path)
     assert str(path) in str(err.value)
     assert expected in str(err.value)
+
+
+def test_a_typo_is_answered_before_torch_or_transformers_load():
+    """What a config names is decoded from plain Structs: a misspelled key costs a fraction of a second, not the
+    seconds importing torch and transformers take (tested by what is loaded, not by a clock)."""
+    code = ("import sys\nfrom engine.config import ConfigError, load_run_config\n"
+            f"try:\n    load_run_config({str(SMOKE)!r}, ['train.stepz=3'])\nexcept ConfigError as exc:\n    print(exc)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "unknown field stepz (did you mean steps?)" in out.stdout and out.stdout.strip().endswith("[]"), out.stdout
 
 
 def test_bad_override_is_a_clear_error():

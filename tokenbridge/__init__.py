@@ -9,8 +9,8 @@ Public API (see tokenbridge/README.md):
     build_learner_sequence(prompt_ids, bridged) -> (input_ids, loss_mask, behaviour_logprobs)
 """
 
-from tokenbridge.align import Groups
-from tokenbridge.bridge import Bridge, BridgedCompletion, BridgeStats
+import importlib
+
 from tokenbridge.errors import (
     AlignmentError,
     BridgeError,
@@ -25,8 +25,32 @@ from tokenbridge.errors import (
     UndecodableTextError,
     UnsupportedTokenizerError,
 )
-from tokenbridge.loading import BUILTIN_NAMES, default_cache_dir, load_tokenizer
-from tokenbridge.sequence import build_learner_sequence
+
+# The rest loads on first use (PEP 562): transformers and the compiled kernels take seconds, and
+# ``tokenbridge.cachedir`` or the errors must not pay for them (a config error is answered at once).
+_LAZY = {
+    "Groups": "tokenbridge.align",
+    "Bridge": "tokenbridge.bridge",
+    "BridgedCompletion": "tokenbridge.bridge",
+    "BridgeStats": "tokenbridge.bridge",
+    "BUILTIN_NAMES": "tokenbridge.loading",
+    "default_cache_dir": "tokenbridge.loading",
+    "load_tokenizer": "tokenbridge.loading",
+    "build_learner_sequence": "tokenbridge.sequence",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tokenbridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AlignmentError",

@@ -11,7 +11,6 @@ from tokenbridge.cachedir import default_cache_root
 from engine.config.load import ConfigError, Origin, convert, read_tree
 from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spec
 from engine.config.validate import validate
-from policies.registry import get_objective
 
 __all__ = ["ConfigError", "ModelConfig", "Origin", "RunConfig", "ScriptedMove", "cache_root", "config_from_tree", "default_cache_root",
            "load_run_config", "model_spec", "tokenizer_cache"]
@@ -40,6 +39,8 @@ def _switch_objective(tree: dict, origin: Origin) -> list[str]:
     table = tree.get("objective")
     if not isinstance(table, dict) or origin.of("objective.kind") == origin.file:
         return []
+    from policies.registry import get_objective  # torch: only when a flag switched the kind
+
     try:
         config_type, _ = get_objective(str(table.get("kind")))
     except KeyError:

@@ -106,7 +106,7 @@ def convert(tree: dict, cls: type[T], origin: Origin) -> T:
         if text.startswith("object contains unknown field "):
             unknown = text.removeprefix("object contains unknown field ")
             full = f"{key}.{unknown}" if key else unknown
-            hint = _did_you_mean(unknown, _fields_at(cls, tree, key))
+            hint = did_you_mean(unknown, _fields_at(cls, tree, key))
             raise ConfigError(f"{origin.of(full)}: {key or '(top level)'}: unknown field {unknown}{hint}") from None
         if text.startswith("invalid value") and key.split(".")[-1] == "kind":  # a tagged union's tag
             parent = key.rpartition(".")[0]
@@ -193,6 +193,9 @@ def _resolve(info: Any, node: Any) -> Any:
     return next((t for t in structs if t.tag == tag), structs[0] if structs else info)
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
+def did_you_mean(word: str, choices: list[str], list_all: bool = True) -> str:
+    """" (did you mean X?)" for the closest choices, else (``list_all``) "; known: " and every choice."""
     close = difflib.get_close_matches(word, choices, n=2, cutoff=0.5)
-    return f" (did you mean {' or '.join(close)}?)" if close else (f"; known: {', '.join(choices)}" if choices else "")
+    if close:
+        return f" (did you mean {' or '.join(close)}?)"
+    return f"; known: {', '.join(choices)}" if choices and list_all else ""

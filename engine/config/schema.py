@@ -11,9 +11,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from policies.lora import LoraSpec
-from policies.models import ModelSpec
-from policies.objectives import ObjectiveConfig, SGTConfig
+from policies.objective_config import ObjectiveConfig, SGTConfig
+from policies.spec import LoraSpec, ModelSpec
 from tasks.registry import ArithmeticConfig, TaskConfig
 
 PosFloat = Annotated[float, Meta(gt=0)]

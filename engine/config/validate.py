@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from engine.config.load import ConfigError, Origin
+from engine.config.load import ConfigError, Origin, did_you_mean
 from engine.config.schema import RunConfig
-from policies.lora import peft_missing
+from policies.spec import causal_lm_families
 
 
 def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunConfig:
@@ -26,13 +26,17 @@ def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunC
 def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
     if not cfg.models:
         raise ConfigError(f"{origin.file}: models: at least one [[models]] table is required")
-    names = cfg.names
+    names, families = cfg.names, causal_lm_families()
     for i, m in enumerate(cfg.models):
+        if m.arch not in families:
+            hint = did_you_mean(m.arch, families, list_all=False) or " (e.g. gpt2, llama, qwen2)"
+            raise origin.error(f"models.{i}.arch", f"{m.arch!r} is not a causal-LM model_type of the installed "
+                                                   f"transformers{hint}")
         if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
             raise origin.error(f"models.{i}.name", f"{m.name!r} must be letters, digits, '-' or '_'")
         if names.count(m.name) > 1:
             raise origin.error(f"models.{i}.name", f"{m.name!r} is used twice; names must be unique")
-        if m.lora is not None and check_machine and (problem := peft_missing()):
+        if m.lora is not None and check_machine and (problem := _peft_missing()):
             raise origin.error(f"models.{i}.lora", problem)
         if m.generation.backend == "sglang":
             _sglang(cfg, m, f"models.{i}", origin, check_machine)
@@ -40,6 +44,12 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             problem = checkpoint_problem(Path(m.checkpoint))
             if problem:
                 raise origin.error(f"models.{i}.checkpoint", problem)
+
+
+def _peft_missing() -> str | None:
+    from policies.lora import peft_missing  # torch: only for a model with LoRA
+
+    return peft_missing()
 
 
 def _sharding(cfg: RunConfig, origin: Origin) -> None:

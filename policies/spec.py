@@ -1,0 +1,46 @@
+"""What a model is, as a config names it: its family, tokenizer and size, and its LoRA adapters.
+
+Plain msgspec Structs with no torch or transformers behind them, so a run config decodes (and a
+mistake in it is reported) in a fraction of a second; ``policies.models`` and ``policies.lora``
+build from them. ``arch`` is checked against the installed transformers by ``causal_lm_families``
+in the config's validation, the one place that pays for importing it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What model to train: its family, tokenizer and size (or a checkpoint to load)."""
+
+    name: str  # unique per run: names the model's topics, metrics and run-dir files
+    arch: str  # the model_type (config.json) of a causal LM: picks the model class and the prompt template
+    tokenizer: str  # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    max_seq_len: int = 128  # prompt + completion; sizes GPT-2's learned position table
+    n_kv_head: int | None = None  # not gpt2: grouped-query attention; None = n_head
+    intermediate_size: int | None = None  # not gpt2: MLP width; None = GPT-2's parameter count
+    tie_embeddings: bool = True  # the vocab matrix dominates tiny models: share it once
+    checkpoint: str | None = None  # a save_pretrained dir, loaded instead of built
+
+
+class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`[models.lora]`: adapters of rank `rank` on the `targets` modules, scaled by alpha / rank."""
+
+    rank: Annotated[int, Meta(ge=1)] = 8
+    alpha: Annotated[float, Meta(gt=0)] = 16.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    targets: list[str] = []  # module names (e.g. ["q_proj", "v_proj"]); [] = peft's default for the family
+
+
+def causal_lm_families() -> list[str]:
+    """Every model_type AutoModelForCausalLM can build (imports transformers: about 2 s)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
