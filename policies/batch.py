@@ -48,6 +48,10 @@ class ObjectiveBatch:
     peer_align: Tensor  # (P, T2) long, THL aligned-group id of each token (-1 on padding)
     ref_logp: Tensor | None = None  # (B, T) reference policy, for the optional KL
     peer_staleness: Tensor | None = None  # (P,) long; None -> peers are never dropped for age
+    # (P,) long, distinct within a group: a uniform draw among a group's peer rows takes the largest key.
+    # The engine derives it from the row's place in its group and the step, never from the batch's other
+    # rows, so any split of a step draws what the whole batch draws. None -> drawn from the objective's rng.
+    peer_draw: Tensor | None = None
     # A data-parallel step's denominators (policies.denominators): (site, this batch's count) -> the count
     # over the whole step's batch. None: this batch is the whole batch, as in one process.
     totals: Callable[[str, Tensor], Tensor] | None = None
@@ -139,7 +143,7 @@ class ObjectiveBatch:
             value = getattr(self, name)
             if tuple(value.shape) != (P, T2):
                 raise ValueError(f"ObjectiveBatch.{name} has shape {tuple(value.shape)}, expected ({P}, {T2}) like peer_logp")
-        for name in ("peer_rewards", "peer_group", "peer_verified", "peer_residual", "peer_staleness"):
+        for name in ("peer_rewards", "peer_group", "peer_verified", "peer_residual", "peer_staleness", "peer_draw"):
             if getattr(self, name) is not None:
                 _check_rows(name, getattr(self, name), P, "peer_logp")
         if self.num_groups < 0:

@@ -16,9 +16,10 @@ A step split into pieces:
    and so do their gradients, to float rounding.
 
 Recording the sites by running the objective itself keeps one definition of each count:
-nothing here restates an objective's masks. What the split cannot make equal: SGT's uniform
-draw of one rescue per group reads the RNG with the piece's row count, so where a group has
-several eligible peer successes, a split may pick another (the count is the same either way).
+nothing here restates an objective's masks. SGT's uniform draw of one rescue per group is split
+invariant too when the batch carries ``peer_draw`` keys (the engine's batches do: each row's key
+hashes the step, its prompt and its place among that prompt's peers); a batch without them
+draws from the objective's RNG, which a split reads differently.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Genera
     own_failed = (own.count > 0) & (own.mean == 0)  # (Q,) every fresh own sample failed
     lengths = peer.mask.sum(dim=1)
     eligible = batch.peer_verified & peer.keep & (lengths > 0) & own_failed[batch.peer_group]
-    chosen = pick_one_per_group(eligible, batch.peer_group, Q, rng)  # (P,) bool, <= 1 per group
+    chosen = pick_one_per_group(eligible, batch.peer_group, Q, rng, batch.peer_draw)  # (P,) bool, <= 1 per group
     token_nll = -torch.where(peer.mask > 0, batch.peer_logp, torch.zeros_like(batch.peer_logp)) * peer.mask
     nll = token_nll.sum(dim=1)
     if config.nll_norm == "token_mean":
@@ -241,10 +241,16 @@ def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Genera
     return loss, stats
 
 
-def pick_one_per_group(eligible: Tensor, group: Tensor, num_groups: int, rng: torch.Generator) -> Tensor:
-    """Uniformly choose one eligible row per group: (P,) bool with exactly one True per group that has any."""
+def pick_one_per_group(eligible: Tensor, group: Tensor, num_groups: int, rng: torch.Generator,
+                       keys: Tensor | None = None) -> Tensor:
+    """Uniformly choose one eligible row per group: (P,) bool with exactly one True per group that has any.
+
+    The row with the largest key wins: ``keys`` (``ObjectiveBatch.peer_draw``, distinct within a group)
+    or, without them, a permutation drawn from ``rng``."""
     P = eligible.shape[0]
-    keys = torch.randperm(P, generator=rng, device=rng.device).to(eligible.device)  # distinct: no ties
+    if keys is None:
+        keys = torch.randperm(P, generator=rng, device=rng.device).to(eligible.device)  # distinct: no ties
+    keys = keys.to(eligible.device)
     keys = torch.where(eligible, keys, torch.full_like(keys, -1))
     best = torch.full((num_groups,), -1, dtype=keys.dtype, device=keys.device)
     best = best.scatter_reduce(0, group, keys, reduce="amax", include_self=True)

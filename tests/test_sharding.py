@@ -44,7 +44,7 @@ TOKENIZER = {"gpt2": "gpt2", "qwen2": "qwen2", "llama": "mistral"}
 # XGRPO reads peer rewards only (no peer forward anywhere); GRPO with both aggregations. Completions have 2 to 5 tokens: micro-batches and ranks hold unequal
 # token counts, so a token mean is exact only over the step's denominators (engine.train.step.step_totals).
 OBJECTIVES = {"prp": {"kind": "prp"}, "xgrpo": {"kind": "xgrpo"}, "grpo": {"kind": "grpo"},
-              "grpo_seq": {"kind": "grpo", "aggregation": "seq_mean"}}
+              "grpo_seq": {"kind": "grpo", "aggregation": "seq_mean"}, "sgt": {"kind": "sgt"}}
 
 
 def _objective(name: str):
@@ -69,18 +69,21 @@ def _model(arch: str):
     return build_policy(spec, tok, seed=1).train(), tok.eos_token_id
 
 
-def _data(step: int, vocab: int, version: int) -> dp.StepData:
+def _data(step: int, vocab: int, version: int, obj: str = "") -> dp.StepData:
+    """For SGT, every own sample fails and each prompt has three peer successes: a rescue draws one per group."""
     rng = np.random.default_rng(step)
     prompts = list(range(step * Q, (step + 1) * Q))
     lengths = rng.integers(2, 6, Q * G)
+    solved = (lambda i: False) if obj == "sgt" else (lambda i: bool(i % 2))
     own = [OwnSample(prompt_ids=rng.integers(0, vocab, 5), completion_ids=rng.integers(0, vocab, n),
-                     behaviour_logprobs=np.full(n, -2.0, np.float32), reward=float(i % 2), verified=bool(i % 2),
+                     behaviour_logprobs=np.full(n, -2.0, np.float32), reward=float(solved(i)), verified=solved(i),
                      weight_version=version, prompt_id=p)
            for (p, i), n in zip(((p, i) for p in prompts for i in range(G)), lengths)]
+    rescued = prompts if obj == "sgt" else prompts[0::WORLD]  # else rank 0's prompts only
     peers = [PeerSample(model="peer", prompt_id=p, prompt_ids=rng.integers(0, vocab, 4),
-                        completion_ids=rng.integers(0, vocab, 3), behaviour_logprobs=np.full(3, -1.5, np.float32),
-                        align=np.arange(3), residual=0.0, reward=1.0, verified=True, weight_version=version)
-             for p in prompts[0::WORLD]]  # rank 0's prompts only
+                        completion_ids=rng.integers(0, vocab, n), behaviour_logprobs=np.full(n, -1.5, np.float32),
+                        align=np.arange(n), residual=0.0, reward=1.0, verified=True, weight_version=version)
+             for p in rescued for n in ((3, 2, 4) if obj == "sgt" else (3,))]
     return dp.StepData(prompts, own, peers, {"peer": version}, 0)
 
 
@@ -93,7 +96,7 @@ def _rank(rank: int, endpoint: str, out: str, arch: str, accum: int, checkpoint:
     state = dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0))
     norms, grads = [], {}
     for step in range(STEPS):
-        data, objective = _data(step, model.config.vocab_size, state.version), _objective(obj)
+        data, objective = _data(step, model.config.vocab_size, state.version, obj), _objective(obj)
         own, peers = _chosen(objective, data)
         norms.append(sharded_step(state, data, own, peers, rank, WORLD, objective, pad, clip, LR, accum)["grad_norm"])
         if step == 0:
@@ -128,7 +131,7 @@ def _oracle(arch: str, accum: int, clip: float, obj: str) -> dict:
         return [s for s in chosen_own if s.prompt_id in piece], [p for p in chosen_peers if p.prompt_id in piece]
 
     for step in range(STEPS):
-        data = _data(step, model.config.vocab_size, version)
+        data = _data(step, model.config.vocab_size, version, obj)
         chosen_own, chosen_peers = _chosen(objective, data)
         pieces = [[p for p in micro_batches(data.prompts[r::WORLD], accum) if p] for r in range(WORLD)]
         totals = given_totals(sum(  # each site's count over every piece of every rank
@@ -162,7 +165,7 @@ def _single_rank_grads(arch: str, clip: float, obj: str) -> dict:
     torch.set_num_threads(1)
     model, pad = _model(arch)
     state = dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0))
-    data, objective = _data(0, model.config.vocab_size, 0), _objective(obj)
+    data, objective = _data(0, model.config.vocab_size, 0, obj), _objective(obj)
     own, peers = _chosen(objective, data)
     train_share(state, data, own, peers, 0, 1, objective, pad, clip, LR)
     return {n: p.grad for n, p in model.named_parameters()}
@@ -173,6 +176,7 @@ def _single_rank_grads(arch: str, clip: float, obj: str) -> dict:
     ("qwen2", 2, True, "grpo", True),  # a token mean over micro-batches and ranks; activation checkpointing
     ("qwen2", 1, True, "prp", True),  # peers on one rank only: padding forwards on the other
     ("llama", 1, False, "xgrpo", True),  # reward-only peers: no peer forward on either rank (hung here once)
+    ("gpt2", 1, False, "sgt", True),  # one of three peer successes drawn per group: the same draw on any split
     ("qwen2", 2, False, "prp", False),  # accumulation of two-forward micro-batches: see the module doc
 ])
 def test_two_gloo_ranks_of_fsdp2_equal_one_rank(tmp_path, arch: str, accum: int, checkpoint: bool, obj: str,

@@ -6,6 +6,9 @@ The batch is built on CPU; the forward that gives the log-probs runs on the mode
 
 from __future__ import annotations
 
+import collections
+import hashlib
+
 import msgspec
 import numpy as np
 import torch
@@ -111,4 +114,18 @@ def build_batch(
         peer_staleness=torch.tensor(
             [max(versions.get(p.model, p.weight_version) - p.weight_version, 0) for p in peers], dtype=torch.long
         ),
+        peer_draw=draw_keys(peers, learner_version),
     )
+
+
+def draw_keys(peers: list[PeerSample], step: int) -> torch.Tensor:
+    """``ObjectiveBatch.peer_draw``: each row's key hashes the step, its prompt and its place among that prompt's
+    peers (the low 16 bits: distinct within a prompt), so every split of the step's prompts draws alike."""
+    places: collections.Counter = collections.Counter()
+    keys = []
+    for p in peers:
+        place = places[p.prompt_id]
+        places[p.prompt_id] += 1
+        digest = hashlib.blake2b(f"{step}/{p.prompt_id}/{place}".encode(), digest_size=8).digest()
+        keys.append((int.from_bytes(digest, "little") >> 17 << 16) | min(place, 0xFFFF))
+    return torch.tensor(keys, dtype=torch.long)
