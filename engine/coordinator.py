@@ -47,6 +47,7 @@ from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
+from engine.weights.broadcast import open_board
 from engine.weights.channel import channel_root
 from exchange.protocol import Stats
 from tasks.registry import make_task
@@ -77,12 +78,10 @@ class Coordinator:
         self.gone: dict[str, str] = {}  # models that send no experience now (finished, failed or silent), why
         self.formations: dict[tuple[str, int], dict] = {}
         self.fresh: list[Stats] = []  # Stats since the allocator's last tick: each window counts once
-        self.moves = 0
         self.busy = {"gen": {m: 0.0 for m in self.names}, "train": {m: 0.0 for m in self.names}}
-        self.timeline: list[dict] = []
+        self.moves, self.timeline = 0, []  # MWRA's moves, and every role change (for the report)
         self.preps: list[PrepResult] = []
-        self.interrupted: int | None = None  # the signal that stopped the run
-        self.stopping = False
+        self.interrupted, self.stopping = None, False  # the signal (int) that stopped the run; stopping under way
         self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
         self.changed = asyncio.Event()
         self.t_start = self.t_stop = 0.0
@@ -138,6 +137,7 @@ class Coordinator:
         self.curve = curve_server(self.node.keys) if self.node else None  # before any socket of a cluster binds
         self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane", self.curve)
         self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
+        self.board = open_board(self.host or "127.0.0.1") if self.cfg.pool.weights == "broadcast" else (None, "")
         self.tasks = [asyncio.create_task(self._listen_plane())]
         self.tasks[0].add_done_callback(self._task_ended)
         if self.node is not None:
@@ -174,9 +174,9 @@ class Coordinator:
                           run_dir=str(self.run_dir.resolve()), config=self.cfg, broker_in=self.broker_in,
                           broker_out=self.broker_out, plane=self.plane.endpoint,
                           weights_root=str(self.weights_root) if node == 0 else self.nodes.weights_root(node),
-                          weights_hub=self.weights_hub.inbound if self.nodes else "", curve=self.hub.curve,
-                          warm_checkpoints={p.model: p.checkpoint for p in self.preps}, warm_accuracy=warm_acc,
-                          resume=self.resume_from if resume is None else resume)
+                          weights_hub=self.weights_hub.inbound if self.nodes else "", weights_board=self.board[1],
+                          curve=self.hub.curve, warm_checkpoints={p.model: p.checkpoint for p in self.preps},
+                          warm_accuracy=warm_acc, resume=self.resume_from if resume is None else resume)
         payload, threads = msgspec.msgpack.encode(plan), self.cfg.pool.threads_per_worker
         self.actors[wid] = (actors.spawn(wid, "engine.roles.worker:run", payload, threads) if node == 0
                             else self.nodes.spawn(node, wid, "engine.roles.worker:run", payload, threads))

@@ -33,9 +33,10 @@ def _bits_exact(result: dict, records: list[dict], worker: str, model: str) -> l
     return used
 
 
-def test_generator_and_learner_rank_reassigned_mid_run(tmp_path, engine_cache):
+@pytest.mark.parametrize("weights", ["channel", "broadcast"])
+def test_generator_and_learner_rank_reassigned_mid_run(tmp_path, engine_cache, weights):
     # static split in pool-key order: w0,w1 generate gpt2, w2 llama, w3 learns gpt2, w4 llama
-    run = _pool_run(tmp_path, engine_cache, *static_pool(5, 14, (2, 1, 1, 1)),
+    run = _pool_run(tmp_path, engine_cache, *static_pool(5, 14, (2, 1, 1, 1)), f"pool.weights={weights}",
                     script(("gpt2", 3, "w1", "learner", "gpt2"),  # generator -> learner rank
                            ("gpt2", 7, "w1", "generator", "llama")))  # learner rank -> the other model
     assert run.finish() == 0, run.out[-3000:]
@@ -120,8 +121,9 @@ def test_a_silent_peer_is_presumed_gone_and_its_peer_trains_solo(tmp_path, engin
     assert run.leftover() == []
 
 
-def test_sync_mode_generates_step_k_with_the_weights_of_step_k(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, "run.mode=sync", "train.steps=6")
+@pytest.mark.parametrize("weights", ["channel", "broadcast"])
+def test_sync_mode_generates_step_k_with_the_weights_of_step_k(tmp_path, engine_cache, weights):
+    run = Run(tmp_path / "run", engine_cache, "run.mode=sync", "train.steps=6", f"pool.weights={weights}")
     assert run.finish() == 0, run.out[-3000:]
     Q = 8
     versions = {(e.model, e.prompt_id // Q, e.weight_version) for e in ExperienceLogReader(run.run_dir / "experience_log")}

@@ -112,6 +112,9 @@ class PoolSection(_Section):
     allocator: Literal["static", "mwra"] = "static"  # static: keep `split`; mwra: the controller moves workers
     split: dict[str, int] = {}  # static: "generator:<m>"/"learner:<m>" -> workers; {} = a learner per model, rest generate
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: worker i on GPU i mod the GPU count
+    # learner -> generator weights: "channel" = shared-memory slots on each machine (relayed between machines);
+    # "broadcast" = a torch.distributed pair group per leader and generator (NCCL between GPUs, gloo on CPUs)
+    weights: Literal["channel", "broadcast"] = "channel"
     threads_per_worker: PosInt = 1  # torch threads of each worker process
     prompts_per_work: Annotated[int, Meta(ge=0)] = 0  # prompts per work unit; 0 = a whole step's batch
     max_respawns: Annotated[int, Meta(ge=0)] = 3  # dead workers replaced by fresh processes, per run

@@ -20,7 +20,8 @@ import torch
 
 from engine.runtime.plane import HandBack, Order, UnitDone, WantWork, WorkUnit
 from engine.train.group import params_digest
-from engine.weights.channel import WeightReader, WeightSyncError
+from engine.weights.channel import WeightSyncError
+from engine.weights.ends import weight_reader
 from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pack_ids
 from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
 from policies.lora import has_adapters, merged
@@ -33,11 +34,11 @@ async def generate_role(worker, order: Order) -> None:
     model = order.assign.model
     policy = worker.policy(model)
     tok = policy.tokenizer
-    worker.reader = reader = WeightReader(worker.plan_channel(model), policy.module)
+    worker.reader = reader = weight_reader(worker, model, policy.module)
     worker.reader_model = model
     # an sglang Engine starts in minutes, a static-cache copy in seconds: not on the loop that hears a halt
     worker.backend = backend = await asyncio.to_thread(make_backend, worker, model, policy)
-    policy.version = reader.load()
+    policy.version = await asyncio.to_thread(reader.load)  # over a pair group it waits on the leader
     await asyncio.to_thread(_push_weights, backend, policy)
     worker.acquired()
     worker.role_now = ("generator", model)
@@ -108,10 +109,10 @@ def _push_weights(backend: GenerationBackend, policy) -> None:
         backend.load_state_dict({n: p.detach() for n, p in module.named_parameters()}, policy.version)
 
 
-async def _weights_for(worker, reader: WeightReader, unit: WorkUnit) -> int:
+async def _weights_for(worker, reader, unit: WorkUnit) -> int:
     """The newest weights, and at least the version the unit asks for (sync mode), within ``weights_s``."""
     deadline = time.time() + worker.cfg.timeouts.weights_s
-    while (version := reader.load()) < unit.min_weight_version:
+    while (version := await asyncio.to_thread(reader.load)) < unit.min_weight_version:
         if time.time() > deadline:
             raise WeightSyncError(f"{unit.model}: weight version {unit.min_weight_version} did not arrive within "
                                   f"timeouts.weights_s={worker.cfg.timeouts.weights_s:g}s (held: {version})")

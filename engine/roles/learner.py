@@ -101,6 +101,8 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
             await asyncio.to_thread(dp.join, group.endpoint, rank, world, timeout, backend)
             await asyncio.to_thread(dp.sync_state, core.state, rank)
         digest = dp.state_digest(core.state)
+        if rank == 0:  # generators ask the leader the weight path names (broadcast): this one, from now on
+            await asyncio.to_thread(core.writer.take_lead, core.state.version)
         if sharded:
             t = core.cfg.train
             core.twin = await asyncio.to_thread(dp.collective(ShardedTwin), core.state, rank == 0, w.device,

@@ -23,8 +23,7 @@ from engine.train import group as dp
 from engine.train.ingest import Ingest
 from engine.train.optim import adamw
 from engine.train.sharding import ShardedTwin
-from engine.weights.channel import WeightWriter
-from engine.weights.relay import RelayWriter
+from engine.weights.ends import weight_writer
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Experience
 from exchange.transport import Subscriber
@@ -95,8 +94,7 @@ class LearnerCore:
         self.listener = asyncio.create_task(self._listen())
         self.listener.add_done_callback(lambda _: w.inbox.changed.set())
         self.metrics = MetricsWriter(w.plan.run_dir, self.model_name)
-        self.writer = (RelayWriter(w.plan.weights_hub, self.model_name, self.module, w.plan.curve) if w.plan.weights_hub
-                       else WeightWriter(w.plan_channel(self.model_name), self.module))
+        self.writer = weight_writer(w, self.model_name, self.module)
         acc = w.plan.warm_accuracy.get(self.model_name, [None, None])
         self.warm = {"warm_accuracy": acc[0], "warm_accuracy_stderr": acc[1]}
         self.metrics.write(event="start", step=self.state.version, weight_version=self.state.version,

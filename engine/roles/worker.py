@@ -55,6 +55,7 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
     resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
     weights_hub: str = ""  # a cluster's weight hub: a leader publishes there, not in this machine's channel
+    weights_board: str = ""  # pool.weights = "broadcast": the run's TCPStore (engine.weights.broadcast)
     curve: ClientKeys | None = None  # a cluster's CurveZMQ keys: for the plane, the exchange and the weight hub
 
 

@@ -166,6 +166,9 @@ class WeightWriter:
     def publish(self, version: int) -> None:
         self._publish(version, self._pack)
 
+    def take_lead(self, version: int) -> None:
+        """A new leader has nothing to announce: the channel names the newest version, whoever wrote it."""
+
     def _pack(self, slot: int) -> None:
         with torch.no_grad():
             for view, p in zip(self.slots.views(slot), self.slots.params):

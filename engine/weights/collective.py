@@ -22,12 +22,10 @@ import functools
 import torch
 import torch.distributed as dist
 
+from engine.weights.channel import WeightSyncError  # one error for every weight path: the plans differ, a peer died
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 BUCKET_BYTES = 256 << 20  # large enough that NCCL runs near its bandwidth, small next to a GPU's memory
-
-
-class WeightSyncError(RuntimeError):
-    """A sync did not complete: the plans differ, or a peer died or went silent past the time-out."""
 
 
 def _collective(fn):
@@ -38,7 +36,7 @@ def _collective(fn):
         except WeightSyncError:
             raise
         except Exception as exc:  # gloo and NCCL report a dead peer with several types
-            raise WeightSyncError(f"weight sync ({fn.__name__}) failed: {exc}") from exc
+            raise WeightSyncError(f"weight sync ({fn.__name__.removesuffix('_packed')}) failed: {exc}") from exc
 
     return wrapped
 
@@ -68,37 +66,63 @@ def _header(version: int, buckets: list[NamedTensors], dtype: torch.dtype) -> to
     return torch.tensor([version, len(buckets), nbytes], dtype=torch.int64)
 
 
+def _broadcast(t: torch.Tensor, src: int, group) -> None:
+    """``dist.broadcast`` over the default group, or over a standalone pair group (``engine.weights.broadcast``),
+    which is not registered with torch.distributed's world and is called directly (``src`` is its own rank)."""
+    if group is None:
+        dist.broadcast(t, src=src)
+        return
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    group.broadcast([t], opts).wait()
+
+
+def pack(named: NamedTensors, dtype: torch.dtype, device: torch.device | str = "cpu",
+         bucket_bytes: int = BUCKET_BYTES) -> list[torch.Tensor]:
+    """``named`` as the flat buckets ``send_packed`` sends: a snapshot that later optimizer steps do not change."""
+    with torch.no_grad():
+        return [torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for _, t in bucket])
+                for bucket in plan(named, dtype, bucket_bytes)]
+
+
 @_collective
+def send_packed(flats: list[torch.Tensor], version: int, src: int, group=None) -> int:
+    """Broadcast buckets ``pack`` made, after their header; returns the bytes sent."""
+    nbytes = sum(f.numel() * f.element_size() for f in flats)
+    header = torch.tensor([version, len(flats), nbytes], dtype=torch.int64, device=flats[0].device)
+    _broadcast(header, src, group)
+    for flat in flats:
+        _broadcast(flat, src, group)
+    return nbytes
+
+
 def send(named: NamedTensors, version: int, src: int, dtype: torch.dtype, device: torch.device | str = "cpu",
          group=None, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Broadcast ``named`` from this rank (``src``) in ``dtype``; returns the bytes sent."""
-    buckets = plan(named, dtype, bucket_bytes)
-    header = _header(version, buckets, dtype)
-    dist.broadcast(header.to(device), src=src, group=group)
-    for bucket in buckets:
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for _, t in bucket])
-        dist.broadcast(flat, src=src, group=group)
-    return int(header[2])
+    return send_packed(pack(named, dtype, device, bucket_bytes), version, src, group)
 
 
 @_collective
 def receive(named: NamedTensors, src: int, dtype: torch.dtype, device: torch.device | str = "cpu",
             group=None, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Receive a sync into ``named``'s tensors in place (same names and shapes as the sender's); returns its version."""
+    """Receive a sync into ``named``'s tensors (same names and shapes as the sender's); returns its version.
+
+    Every bucket arrives before any tensor changes: a sender that dies mid-sync leaves the old
+    weights whole (at the cost of one copy of the weights in flight)."""
     buckets = plan(named, dtype, bucket_bytes)
     mine = _header(0, buckets, dtype)
     header = torch.zeros(3, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=src, group=group)
+    _broadcast(header, src, group)
     header = header.cpu()
     if header[1:].tolist() != mine[1:].tolist():
         raise WeightSyncError(f"the sender plans {int(header[1])} buckets of {int(header[2])} bytes, this receiver "
                               f"{int(mine[1])} of {int(mine[2])}: not the same model, dtype or bucket size")
-    for bucket in buckets:
-        flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        with torch.no_grad():
+    flats = [torch.empty(sum(t.numel() for _, t in bucket), dtype=dtype, device=device) for bucket in buckets]
+    for flat in flats:
+        _broadcast(flat, src, group)
+    with torch.no_grad():
+        for bucket, flat in zip(buckets, flats):
+            offset = 0
             for _, t in bucket:
                 t.copy_(flat[offset: offset + t.numel()].view(t.shape))
                 offset += t.numel()

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engine.runtime.plane import recv_multipart
-from engine.weights.channel import RawWriter, WeightSyncError, sync_params
+from engine.weights.channel import RawWriter, WeightSyncError, WeightWriter, sync_params
 from exchange.security import ClientKeys, apply_client
 
 
@@ -151,6 +151,8 @@ class RelayWriter:
         self._sock.setsockopt(zmq.LINGER, 2000)
         apply_client(self._sock, curve)
         self._sock.connect(endpoint)
+
+    take_lead = WeightWriter.take_lead
 
     def publish(self, version: int) -> None:
         with torch.no_grad():
