@@ -1,11 +1,12 @@
 """Learner -> generator weights over a torch.distributed group: broadcast bucket by bucket.
 
 The path across GPUs and hosts, where the shared-memory channel (``channel.py``) cannot go:
-NCCL between GPUs, gloo on CPUs (how it is tested). The learner's rank ``src`` casts its
-tensors to the generators' dtype and broadcasts them in buckets of at most ``bucket_bytes``,
-each one flat tensor of one dtype: a few large collectives instead of one per parameter,
-and bounded extra memory on both sides. Every receiver copies each bucket into its own
-tensors in place. ``manifest`` names a bucket as sglang's ``update_weights_from_distributed``
+NCCL between GPUs, gloo on CPUs (how it is tested); the engine uses it over one pair group per
+leader and generator (``broadcast``). The learner's rank ``src`` casts its tensors to the
+generators' dtype and broadcasts them in buckets of at most ``bucket_bytes``, each one flat
+tensor of one dtype: a few large collectives instead of one per parameter, and bounded extra
+memory on both sides. A receiver takes every bucket before it copies any into its tensors.
+``manifest`` names a bucket as sglang's ``update_weights_from_distributed``
 request does, but the framing here (a header, then one flat tensor per bucket) is this
 module's own: an sglang generator expects its own framing (one broadcast per tensor, or its
 ``flattened_bucket`` format), which is not written yet.
