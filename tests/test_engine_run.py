@@ -16,6 +16,8 @@ import pytest
 import torch
 from enginerun import Run
 
+from exchange.log import ExperienceLogReader
+
 pytestmark = pytest.mark.slow
 
 
@@ -62,8 +64,6 @@ def test_peer_experience_flows_through_the_thl(smoke_run):
 
 
 def test_experience_log_holds_every_experience_exactly_once(smoke_run):
-    from exchange.log import ExperienceLogReader
-
     run, code = smoke_run
     assert code == 0
     ids = collections.Counter(e.experience_id for e in ExperienceLogReader(run.run_dir / "experience_log"))
@@ -90,8 +90,6 @@ def test_learning_moves_in_the_rewards_direction(smoke_run):
     The smoke warm start trains until the model solves at least a fifth of its training problems
     (warmstart.stop_accuracy), so every machine has plenty of successes to judge by.
     """
-    from exchange.log import ExperienceLogReader
-
     run, code = smoke_run
     assert code == 0
     finals = {r["model"]: r for r in run.events("final")}
@@ -174,6 +172,27 @@ def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_ca
     assert "w2" in gpt2[1]["digests"] and "w3" not in gpt2[1]["digests"]  # a fresh worker may join it (forks start fast)
     assert all(len(set(f["digests"].values())) == 1 for f in result["formations"])  # every rank: rank 0's state
     assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
+    assert run.leftover() == []
+
+
+@pytest.mark.parametrize("weights", ["channel", "broadcast"])
+def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_from_the_log(tmp_path, engine_cache,
+                                                                                           weights):
+    run = Run(tmp_path / "run", engine_cache, "pool.workers=5", "train.steps=16", f"pool.weights={weights}",
+              "pool.split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 2, 'learner:llama' = 1}")
+    run.wait_steps(2, "gpt2")  # gpt2's group: w2 leads, w3 is rank 1
+    run.kill_worker("w2")
+    assert run.finish() == 0, run.out[-3000:]
+    assert "[run] w2 (learner of gpt2) exited with code -9: its group re-forms with w3, whose new leader takes" in run.out
+    result = run.result()
+    assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
+    taken = run.events("take_over", "gpt2")
+    assert len(taken) == 1 and taken[0]["trained"] >= 16 and taken[0]["replayed"] > 0, taken
+    gpt2 = [f for f in result["formations"] if f["model"] == "gpt2"]
+    assert all(len(set(f["digests"].values())) == 1 for f in gpt2)
+    # the generator goes on with the new leader's versions (the channel, or the new leader's pair groups)
+    versions = {e.weight_version for e in ExperienceLogReader(run.run_dir / "experience_log") if e.model == "gpt2"}
+    assert max(versions) > taken[0]["step"], sorted(versions)
     assert run.leftover() == []
 
 

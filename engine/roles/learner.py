@@ -94,7 +94,10 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
         if core.lost:  # never lead or sync from a state a broken sharded formation left half-gathered
             raise dp.GroupError("this rank's sharded state was lost and the formation names no checkpoint")
         if rank == 0:
+            fresh = core.sub is None
             await core.open_inbox()
+            if fresh and group.trained is not None and core.resume is None:
+                await core.take_over(group.trained)
         sharded = world > 1 and core.cfg.train.sharding == "fsdp2"
         backend = "cpu:gloo,cuda:nccl" if sharded and w.device.type == "cuda" else "gloo"
         if world > 1:

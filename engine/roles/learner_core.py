@@ -112,6 +112,12 @@ class LearnerCore:
         self.metrics.write(event="resume", step=self.state.version, consumed=len(self.consumed),
                            replayed=replayed, checkpoint=self.resume)
 
+    async def take_over(self, trained: list[int]) -> None:
+        """This rank leads a group whose leader died with its inbox: the log gives back what was not trained."""
+        self.ingest.consumed.update(trained)
+        replayed = await self._replay_log()
+        self.metrics.write(event="take_over", step=self.state.version, trained=len(trained), replayed=replayed)
+
     async def _replay_log(self) -> int:
         """Every logged experience of a prompt not trained yet goes to the inbox (which keeps the first copy of
         each sample); returns how many were read."""

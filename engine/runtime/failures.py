@@ -5,8 +5,9 @@
   (``pool.max_respawns`` per run).
 - A learner rank that dies leaves its group, which re-forms from the survivors (rank 0's
   state is sent to every rank again); a fresh worker joins the group as a new rank. If the
-  dead rank led the group, its inbox is lost: the prompts the model generated but never
-  trained on are generated again.
+  dead rank led the group, its inbox is lost: the new leader refills its own from the
+  experience log, every experience of a prompt the model has not trained (the formation
+  names the trained ones), as a resumed run does; nothing is generated again.
 - A model whose last learner rank dies is restarted on a fresh worker from its newest
   checkpoint (``run.checkpoint_every``), the experience log replaying what that checkpoint
   had not trained; the n-th restart of a model waits ``pool.restart_backoff_s * 2**(n-1)``
@@ -101,7 +102,7 @@ class FailurePolicy:
     async def _worker_died(self, wid: str, code: int | None) -> None:
         c = self.c
         sharded = self._sharded_formation(c.roster.assignment.get(wid, ("idle", "")))
-        role, led, messages = c.roster.remove(wid)
+        role, led, messages = c.roster.remove(wid, c.trained)
         self.lost.append(wid)
         units = c.dispatch.lost(wid)
         what = f"{role[0]} of {role[1]}" if role[1] else role[0]
@@ -122,9 +123,8 @@ class FailurePolicy:
         action = f"{len(units)} unit(s) go back to the queue" if role[0] != "learner" else \
             f"its group re-forms with {', '.join(c.roster.groups[role[1]].members)}"
         if led:
-            lost_inbox = sorted(set(c.dispatch.done_prompts[role[1]]) - c.trained[role[1]])
-            c.dispatch.regenerate(role[1], lost_inbox)
-            action += f" and {len(lost_inbox)} prompts it held untrained are generated again"
+            lost_inbox = set(c.dispatch.done_prompts[role[1]]) - c.trained[role[1]]
+            action += f", whose new leader takes the {len(lost_inbox)} prompts it held untrained from the log"
         replacement = self._respawn(wid, role)
         print(f"[run] {wid} ({what}) exited with code {code}: {action}; "
               + (f"{replacement} takes its place" if replacement else

@@ -34,6 +34,7 @@ class GroupSpec(msgspec.Struct, array_like=True, frozen=True):
     endpoint: str  # torch.distributed init_method (tcp://host:port)
     members: list[str]
     restore: str = ""  # a checkpoint every rank starts from (a sharded formation broke: its state is lost)
+    trained: list[int] | None = None  # the leader died with its inbox: the prompts trained; rank 0 replays the rest
 
 
 class WorkUnit(msgspec.Struct, array_like=True, frozen=True):

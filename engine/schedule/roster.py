@@ -31,6 +31,7 @@ class Roster:
         self.seq = 0  # Assign epochs: a worker ignores an order older than the one it holds
         self.regroups = 0
         self.restoring: dict[str, str] = {}  # model -> the checkpoint its formations start from until one formed
+        self.taking_over: dict[str, list[int]] = {}  # model -> prompts trained when its leader died, until one formed
         self.t0 = 0.0  # the RL phase's start (the cost model's clock), sent with every order
 
     def start(self, initial: dict[str, RoleOf], t0: float) -> list[tuple[str, object]]:
@@ -68,13 +69,17 @@ class Roster:
                 out += self._reform(m, new, tell=old[m])
         return changes, out + self._orders(changes, reason)
 
-    def remove(self, worker: str) -> tuple[RoleOf, bool, list[tuple[str, object]]]:
-        """A worker died: (its role, whether it led its group, the regroup messages for the survivors)."""
+    def remove(self, worker: str, trained: dict[str, set[int]] | None = None
+               ) -> tuple[RoleOf, bool, list[tuple[str, object]]]:
+        """A worker died: (its role, whether it led its group, the regroup messages for the survivors); ``trained``:
+        each model's trained prompts, which the survivors' next leader needs if this worker led."""
         role = self.assignment.pop(worker, ("idle", ""))
         if role[0] != "learner":
             return role, False, []
         members = self.groups[role[1]].members
         led = bool(members) and members[0] == worker
+        if led and trained is not None:  # the next leader opens a fresh inbox: the log refills it
+            self.taking_over[role[1]] = sorted(trained.get(role[1], ()))
         survivors = [w for w in members if w != worker]
         return role, led, self._reform(role[1], survivors, tell=survivors)
 
@@ -90,11 +95,12 @@ class Roster:
         """Rank 0 of a formation reports its state: a restore it carried has happened."""
         if rank == 0 and self.groups[model].epoch == epoch:
             self.restoring.pop(model, None)
+            self.taking_over.pop(model, None)
 
     def _reform(self, model: str, members: list[str], tell: list[str]) -> list[tuple[str, object]]:
-        # a restore is carried by every formation until one has formed: a later one may overtake it
-        restore = self.restoring.get(model, "")
-        group = GroupSpec(model, self.groups[model].epoch + 1, self._endpoint(members), members, restore)
+        # a restore or a take-over is carried by every formation until one has formed: a later one may overtake it
+        group = GroupSpec(model, self.groups[model].epoch + 1, self._endpoint(members), members,
+                          self.restoring.get(model, ""), self.taking_over.get(model))
         self.groups[model] = group
         self.regroups += 1
         return [(w, Regroup(group)) for w in tell]
