@@ -47,7 +47,7 @@ from engine.schedule.allocator import Script, make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
-from engine.weights.broadcast import open_board
+from engine.weights.ends import weights_board
 from engine.weights.channel import channel_root
 from exchange.protocol import Stats
 from tasks.registry import make_task
@@ -137,7 +137,7 @@ class Coordinator:
         self.curve = curve_server(self.node.keys) if self.node else None  # before any socket of a cluster binds
         self.plane = CoordinatorPlane(f"tcp://{self.host}:*" if self.host else f"ipc://{self.sock_dir}/plane", self.curve)
         self.weights_root = channel_root(self.run_dir.name + f"-{id(self):x}")
-        self.board = open_board(self.host or "127.0.0.1") if self.cfg.pool.weights == "broadcast" else (None, "")
+        self.board = weights_board(self.cfg, self.host or "127.0.0.1")
         self.tasks = [asyncio.create_task(self._listen_plane())]
         self.tasks[0].add_done_callback(self._task_ended)
         if self.node is not None:

@@ -12,10 +12,13 @@ import os
 import queue
 import time
 
+import msgspec
 import pytest
 import torch
 
+from engine.config.schema import RunConfig
 from engine.weights.broadcast import LOST_TICKET_S, BroadcastReader, BroadcastWriter, open_board
+from engine.weights.ends import broadcasts
 
 ANSWER_S = 60.0
 
@@ -156,3 +159,13 @@ def test_a_leader_that_follows_stops_serving_and_serves_again_when_it_leads_agai
     want = first.ask("publish", 3)  # w0 leads again
     assert gen.ask("load") == (3, want)
     assert first.ask("served") == (1, 1)
+
+
+def test_auto_broadcasts_only_where_every_worker_has_a_gpu_of_its_own() -> None:
+    replace = msgspec.structs.replace
+    cfg = RunConfig()
+    assert cfg.pool.weights == "auto" and not broadcasts(cfg)  # a CPU run: the channel
+    assert broadcasts(replace(cfg, pool=replace(cfg.pool, weights="broadcast")))  # asked for: gloo on CPUs
+    cuda = replace(cfg, pool=replace(cfg.pool, device="cuda"))
+    assert broadcasts(cuda) == (torch.cuda.device_count() >= cfg.pool.workers)
+    assert not broadcasts(replace(cuda, pool=replace(cuda.pool, weights="channel")))

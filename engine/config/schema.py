@@ -6,6 +6,7 @@ the ones that matter. Cross-field rules live in ``engine.config.validate``.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -113,8 +114,9 @@ class PoolSection(_Section):
     split: dict[str, int] = {}  # static: "generator:<m>"/"learner:<m>" -> workers; {} = a learner per model, rest generate
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: worker i on GPU i mod the GPU count
     # learner -> generator weights: "channel" = shared-memory slots on each machine (relayed between machines);
-    # "broadcast" = a torch.distributed pair group per leader and generator (NCCL between GPUs, gloo on CPUs)
-    weights: Literal["channel", "broadcast"] = "channel"
+    # "broadcast" = a torch.distributed pair group per leader and generator (NCCL between GPUs, gloo on CPUs);
+    # "auto" = broadcast when every worker of a machine has a GPU of its own (NCCL pairs distinct GPUs), else channel
+    weights: Literal["auto", "channel", "broadcast"] = "auto"
     threads_per_worker: PosInt = 1  # torch threads of each worker process
     prompts_per_work: Annotated[int, Meta(ge=0)] = 0  # prompts per work unit; 0 = a whole step's batch
     max_respawns: Annotated[int, Meta(ge=0)] = 3  # dead workers replaced by fresh processes, per run
@@ -124,6 +126,10 @@ class PoolSection(_Section):
     controller_every_s: PosFloat = 1.0  # how often the coordinator consults the allocator
     script: list[ScriptedMove] = []  # forced moves, on top of the allocator
     costs: list[CostPhase] = []  # modelled compute budget over time; [] = real compute only
+
+    def workers_per_node(self) -> int:
+        """Workers on each machine: under torchrun one launcher runs per node (``WORLD_SIZE`` of them)."""
+        return -(-self.workers // int(os.environ.get("WORLD_SIZE", "1")))
 
     def cost(self, kind: Literal["gen", "train"], model: str, t: float) -> float:
         """Worker-seconds per sample of ``model`` at ``t`` seconds into the run (0: no budget)."""

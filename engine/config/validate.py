@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from engine.config.load import ConfigError, Origin, did_you_mean
@@ -120,7 +119,7 @@ def _pool(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
 
         if not torch.cuda.is_available():
             raise origin.error("pool.device", '"cuda" needs a CUDA device and torch sees none; use "cpu"')
-        per_node = -(-pool.workers // int(os.environ.get("WORLD_SIZE", "1")))  # torchrun: one launcher per node
+        per_node = pool.workers_per_node()
         if pool.weights == "broadcast" and torch.cuda.device_count() < per_node:
             raise origin.error("pool.weights", f'"broadcast" pairs GPUs over NCCL, which cannot pair two workers on '
                                                f"one GPU: {per_node} workers per node, {torch.cuda.device_count()} "
