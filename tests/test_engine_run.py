@@ -159,12 +159,18 @@ def test_a_dead_generator_is_replaced_and_nothing_is_lost(tmp_path, engine_cache
     assert run.leftover() == []
 
 
-def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, "pool.workers=5", "train.steps=16",
+def _kill_a_gpt2_learner_rank(tmp_path, cache, worker: str, *sets: str) -> Run:
+    """A run where gpt2's learner group is w2 (leader) and w3 (rank 1); ``worker`` is SIGKILLed at step 2."""
+    run = Run(tmp_path / "run", cache, "pool.workers=5", "train.steps=16", *sets,
               "pool.split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 2, 'learner:llama' = 1}")
-    run.wait_steps(2, "gpt2")  # gpt2's group: w2 leads, w3 is rank 1
-    run.kill_worker("w3")
+    run.wait_steps(2, "gpt2")
+    run.kill_worker(worker)
     assert run.finish() == 0, run.out[-3000:]
+    return run
+
+
+def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_cache):
+    run = _kill_a_gpt2_learner_rank(tmp_path, engine_cache, "w3")
     assert "[run] w3 (learner of gpt2) exited with code -9: its group re-forms with w2" in run.out
     result = run.result()
     gpt2 = [f for f in result["formations"] if f["model"] == "gpt2"]
@@ -178,11 +184,7 @@ def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_ca
 @pytest.mark.parametrize("weights", ["channel", "broadcast"])
 def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_from_the_log(tmp_path, engine_cache,
                                                                                            weights):
-    run = Run(tmp_path / "run", engine_cache, "pool.workers=5", "train.steps=16", f"pool.weights={weights}",
-              "pool.split={'generator:gpt2' = 1, 'generator:llama' = 1, 'learner:gpt2' = 2, 'learner:llama' = 1}")
-    run.wait_steps(2, "gpt2")  # gpt2's group: w2 leads, w3 is rank 1
-    run.kill_worker("w2")
-    assert run.finish() == 0, run.out[-3000:]
+    run = _kill_a_gpt2_learner_rank(tmp_path, engine_cache, "w2", f"pool.weights={weights}")
     assert "[run] w2 (learner of gpt2) exited with code -9: its group re-forms with w3, whose new leader takes" in run.out
     result = run.result()
     assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
