@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.weights.channel import sync_params
+from engine.weights.channel import one_dtype, sync_params
 from engine.weights.collective import WeightSyncError, pack, receive, send_packed
 
 POLL_S = 0.01  # a leader's server looks for a new ask this often (a store read; no c10d wait, which logs time-outs)
@@ -76,21 +76,22 @@ def _pair(store: dist.TCPStore, prefix: str, rank: int, device: torch.device, ti
         raise WeightSyncError(f"weight sync: the pair group {prefix} did not form: {exc}") from exc
 
 
-def _params(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    params = sync_params(module)
-    if len({p.dtype for p in params}) != 1:
-        raise WeightSyncError(f"weight sync carries one dtype, the model has {sorted({str(p.dtype) for p in params})}")
-    return [(str(i), p) for i, p in enumerate(params)]
-
-
-class BroadcastWriter:
-    """A leader's end (the ``WeightWriter`` API): ``publish(version)`` snapshots, a thread serves the asks."""
+class _End:
+    """What both ends hold: the board, the weights in ``sync_params`` order (one dtype, one device), who we are."""
 
     def __init__(self, board: str, model: str, module: torch.nn.Module, timeout_s: float, me: str):
         self.model, self.timeout_s, self.me = model, timeout_s, f"{me}-{os.getpid()}"
         self.store = _store(board, timeout_s)
-        self.named = _params(module)
-        self.dtype, self.device = self.named[0][1].dtype, self.named[0][1].device
+        params = sync_params(module)
+        self.dtype, self.device = one_dtype(params), params[0].device
+        self.named = [(str(i), p) for i, p in enumerate(params)]
+
+
+class BroadcastWriter(_End):
+    """A leader's end (the ``WeightWriter`` API): ``publish(version)`` snapshots, a thread serves the asks."""
+
+    def __init__(self, board: str, model: str, module: torch.nn.Module, timeout_s: float, me: str):
+        super().__init__(board, model, module, timeout_s, me)
         self.nbytes = sum(t.numel() for _, t in self.named) * self.named[0][1].element_size()
         self.tag = f"{self.me}-{next(_tags)}"  # this writer: a pair group is never shared by two of them
         self.snapshot: tuple[int, list[torch.Tensor]] | None = None
@@ -157,17 +158,11 @@ class BroadcastWriter:
         self.pairs.clear()
 
 
-class BroadcastReader:
+class BroadcastReader(_End):
     """A generator's end (the ``WeightReader`` API): ``load()`` brings the model to the version the board names."""
 
     _pairs: dict[str, object] = {}  # leader tag -> pair group, for the whole process (roles come and go)
-
-    def __init__(self, board: str, model: str, module: torch.nn.Module, timeout_s: float, me: str):
-        self.model, self.timeout_s, self.me = model, timeout_s, f"{me}-{os.getpid()}"
-        self.store = _store(board, timeout_s)
-        self.named = _params(module)
-        self.dtype, self.device = self.named[0][1].dtype, self.named[0][1].device
-        self.version = 0
+    version = 0
 
     def newest(self) -> tuple[int, str]:
         """(version, leader tag) the board names; (0, "") before the first publish."""

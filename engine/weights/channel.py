@@ -87,14 +87,19 @@ def sync_params(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def one_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """The one dtype every weight path carries (a model with several cannot be packed flat)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise WeightSyncError(f"the weight channel carries one dtype, the model has {sorted(map(str, dtypes))}")
+    return params[0].dtype
+
+
 class _Slots:
     """The slot files of one channel, as seen by one process: open files and their mappings."""
 
     def __init__(self, directory: Path, params: list[torch.Tensor]):
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise WeightSyncError(f"the weight channel carries one dtype, the model has {sorted(map(str, dtypes))}")
-        self.dir, self.params, self.dtype = directory, params, params[0].dtype
+        self.dir, self.params, self.dtype = directory, params, one_dtype(params)
         self.numel = sum(p.numel() for p in params)
         self.nbytes = self.numel * params[0].element_size()
         self.files: dict[int, int] = {}  # slot -> fd

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engine.runtime.plane import recv_multipart
-from engine.weights.channel import RawWriter, WeightSyncError, WeightWriter, sync_params
+from engine.weights.channel import RawWriter, WeightWriter, one_dtype, sync_params
 from exchange.security import ClientKeys, apply_client
 
 
@@ -140,10 +140,7 @@ class RelayWriter:
 
     def __init__(self, endpoint: str, model: str, module: torch.nn.Module, curve: ClientKeys | None = None):
         self.model, self.params = model, sync_params(module)
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise WeightSyncError(f"the weight channel carries one dtype, the model has {sorted(map(str, dtypes))}")
-        self.dtype = self.params[0].dtype
+        self.dtype = one_dtype(self.params)
         self.numel = sum(p.numel() for p in self.params)
         self.nbytes = self.numel * self.params[0].element_size()
         self._sock = zmq.Context.instance().socket(zmq.PUSH)  # used from one thread at a time (to_thread)
