@@ -189,7 +189,8 @@ def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_fro
     result = run.result()
     assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
     taken = run.events("take_over", "gpt2")
-    assert len(taken) == 1 and taken[0]["trained"] >= 16 and taken[0]["replayed"] > 0, taken
+    # step 2's record is written just before its StepDone is sent: the kill may beat that message, not step 1's
+    assert len(taken) == 1 and taken[0]["trained"] >= 8 and taken[0]["replayed"] > 0, taken
     gpt2 = [f for f in result["formations"] if f["model"] == "gpt2"]
     assert all(len(set(f["digests"].values())) == 1 for f in gpt2)
     # the generator goes on with the new leader's versions (the channel, or the new leader's pair groups)
