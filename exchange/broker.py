@@ -287,10 +287,14 @@ class Broker:
             self._window[uniform] += len(topics)
         elif count:
             self._window.update(topics)
+        counts = None if uniform is not None else Counter(topics)
         for sub in list(self._subs.values()):
             if uniform is not None:
                 if sub.wants(uniform) and not self._sampled_out(sub, uniform, len(topics)):
                     self._deliver(sub, frame.whole or Encoder.frame(frame.raws), len(topics))
+                continue
+            if all(sub.wants(t) for t in counts):  # per topic, not per message: a broker's core is the exchange's limit
+                self._route_all(sub, frame, topics, counts)
                 continue
             picked = [raw for raw, t in zip(frame.raws, topics) if sub.wants(t)]
             if sub.max_rate and picked:
@@ -299,6 +303,16 @@ class Broker:
                 self._deliver(sub, frame.whole, len(picked))
             elif picked:
                 self._deliver(sub, Encoder.frame(picked), len(picked))
+
+    def _route_all(self, sub: _Subscriber, frame: Frame, topics: list[str], counts: Counter) -> None:
+        """Hands ``sub``, which wants every topic of a mixed frame, all of it (less its experiences when over its rate)."""
+        n_exps = sum(n for t, n in counts.items() if t.startswith("exp.")) if sub.max_rate else 0
+        if n_exps and self._sampled_out(sub, "exp.", n_exps):
+            if n_exps < len(topics):
+                picked = [raw for raw, t in zip(frame.raws, topics) if not t.startswith("exp.")]
+                self._deliver(sub, Encoder.frame(picked), len(picked))
+            return
+        self._deliver(sub, frame.whole or Encoder.frame(frame.raws), len(topics))
 
     def _sampled(self, sub: _Subscriber, raws: list, topics: list[str]) -> list:
         """What a rate-capped subscriber gets of a mixed frame: all it wants, less the experiences when over its rate."""

@@ -193,6 +193,46 @@ def test_a_rate_capped_subscriber_gets_a_counted_sample_and_every_stats_message(
         Subscriber(cfg.backend, ["exp."], max_rate=10.0)
 
 
+def test_a_rate_capped_subscriber_over_its_rate_still_gets_the_other_messages_of_a_mixed_frame(tmp_path):
+    cfg = _config(tmp_path)
+    broker = spawn_broker(cfg)
+
+    def exp(i: int) -> Experience:
+        return make_experience(i, ("m0", "m1")[i % 2], completion_tokens=8, text_chars=20)
+
+    async def drive() -> tuple[list, list, Stats]:
+        capped = Subscriber(cfg.backend, ["exp.", "stats"], name="monitor", lossless=False, max_rate=1.0)
+        await capped.ready()
+        pub = Publisher(cfg.frontend)
+        for i in range(4):  # one frame inside the first second's allowance ...
+            await pub.send(exp(i))
+        await pub.flush()
+        for i in range(4, 8):  # ... then one over it, experiences of both models with a worker's Stats
+            await pub.send(exp(i))
+        await pub.send(Stats(SCHEMA_VERSION, "w9", "generator", "m0", 0.0, 1.0))
+        await pub.flush()
+        got, stats, final = [], [], None
+        while final is None:
+            for msg in await asyncio.wait_for(capped.recv_batch(), 30):
+                if isinstance(msg, Experience):
+                    got.append(msg.experience_id)
+                elif msg.worker_id == "w9":
+                    stats.append(msg)
+                elif msg.role == "broker" and msg.accepted_total == 9 and msg.subscriber_dropped.get("monitor") == 4:
+                    final = msg
+        await pub.send(Control(SCHEMA_VERSION, "stop"))
+        await pub.aclose()
+        capped.close()
+        return got, stats, final
+
+    got, stats, final = asyncio.run(drive())
+    broker.join(30)
+    assert broker.exitcode == 0
+    assert got == [exp(i).experience_id for i in range(4)]  # the first frame whole, in order
+    assert len(stats) == 1  # the Stats of the frame over the rate went through ...
+    assert final.subscriber_dropped["monitor"] == 4  # ... its experiences were dropped for the monitor, counted
+
+
 def test_sigterm_stops_the_broker_cleanly_and_keeps_the_log(tmp_path):
     cfg = _config(tmp_path)
     broker = spawn_broker(cfg)
