@@ -261,7 +261,7 @@ class Coordinator:
 
     async def apply(self, changes: dict[str, tuple[str, str]], reason: str, by_allocator: bool = True) -> None:
         changes = {w: rm for w, rm in changes.items() if w in self.actors and self.actors[w].alive}  # not the dead
-        applied, messages = self.roster.apply(changes, reason)
+        applied, messages = self.roster.apply(changes, reason, self.allocator.last_moves())
         if not applied:
             return
         self.moves += 1

@@ -66,6 +66,10 @@ class Allocator:
     def freeze(self, why: str) -> None:
         """Make no more moves (a model left the run: the pools no longer match the config)."""
 
+    def last_moves(self) -> dict[str, float]:
+        """Worker -> when it last changed role, as far as this allocator keeps track (for the choice of a stand-in)."""
+        return {}
+
 
 class MWRAAllocator(Allocator):
     def __init__(self, cfg: RunConfig):
@@ -88,6 +92,9 @@ class MWRAAllocator(Allocator):
             records.append(decision.to_record())
         self._last_reasons = decision.reasons
         return (dict(decision.assignments), "; ".join(decision.reasons), records) if decision.acted else ({}, "", records)
+
+    def last_moves(self) -> dict[str, float]:
+        return self.state.moved_at
 
     def moved(self, worker: str, now: float) -> None:
         """A worker was moved by someone else (a leader's stand-in): its dwell time starts now."""

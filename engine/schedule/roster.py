@@ -11,6 +11,9 @@ in one place:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from engine.runtime.plane import GroupSpec, Order, Regroup
 from engine.runtime.rundir import free_port
 from exchange.protocol import SCHEMA_VERSION, Assign
@@ -54,9 +57,11 @@ class Roster:
         group = self.groups.get(model)
         return group.members[0] if group and group.members else None
 
-    def apply(self, changes: dict[str, RoleOf], reason: str) -> tuple[dict[str, RoleOf], list[tuple[str, object]]]:
-        """Take the moves in ``changes`` (leaders swapped for stand-ins); returns what changed and what to send."""
-        changes = {w: rm for w, rm in self._keep_leaders(changes).items() if self.assignment.get(w) != rm}
+    def apply(self, changes: dict[str, RoleOf], reason: str, moved_at: Mapping[str, float] | None = None
+              ) -> tuple[dict[str, RoleOf], list[tuple[str, object]]]:
+        """Take the moves in ``changes`` (leaders swapped for stand-ins, the longest settled by ``moved_at``: worker ->
+        when it last changed role); returns what changed and what to send."""
+        changes = {w: rm for w, rm in self._keep_leaders(changes, moved_at or {}).items() if self.assignment.get(w) != rm}
         if not changes:
             return {}, []
         old = {m: g.members for m, g in self.groups.items()}
@@ -105,15 +110,15 @@ class Roster:
         self.regroups += 1
         return [(w, Regroup(group)) for w in tell]
 
-    def _keep_leaders(self, changes: dict[str, RoleOf]) -> dict[str, RoleOf]:
+    def _keep_leaders(self, changes: dict[str, RoleOf], moved_at: Mapping[str, float]) -> dict[str, RoleOf]:
         out = dict(changes)
         for m, group in self.groups.items():
             leader = group.members[0] if group.members else None
             if leader in out and out[leader] != ("learner", m):
                 target = out.pop(leader)
                 stand_ins = [w for w in group.members[1:] if w not in out]
-                if stand_ins:
-                    out[stand_ins[-1]] = target
+                if stand_ins:  # the one longest in its role (a move costs a reload); of equals, the last member
+                    out[min(reversed(stand_ins), key=lambda w: moved_at.get(w, -math.inf))] = target
         return out
 
     def _orders(self, changes: dict[str, RoleOf], reason: str) -> list[tuple[str, object]]:
