@@ -30,6 +30,8 @@ EXPLAIN = {
     "allocation.png": "Which worker did what over time (MWRA moves workers between generating and learning).",
 }
 
+TITLES = {"thl_residual.png": "THL residual", "rescue.png": "Rescue set (SGT)", "allocation.png": "Allocation (MWRA)"}
+
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
     """Write the report; returns the path of ``report.md``. Raises ReportError on bad input."""
@@ -62,7 +64,8 @@ def _markdown(runs: list[RunData], figures: list[str]) -> str:
     for run in runs:
         lines += _run_notes(run)
     for name in figures:
-        lines += ["", f"## {name.removesuffix('.png').replace('_', ' ').capitalize()}", "", EXPLAIN.get(name, ""),
+        title = TITLES.get(name) or name.removesuffix(".png").replace("_", " ").capitalize()
+        lines += ["", f"## {title}", "", EXPLAIN.get(name, ""),
                   "", f"![{name}]({name})"]
     return "\n".join(lines) + "\n"
 

@@ -48,6 +48,7 @@ def test_a_report_of_one_run_and_of_two_overlaid(tmp_path):
     assert "| mutual | gpt2 | 20.0% ± 2.0 | 25.0% ± 2.0 | +5.0 pts | 12 | 768 | 36 |" in text
     for name in ("accuracy.png", "reward.png", "staleness.png", "thl_residual.png", "rescue.png"):
         assert (tmp_path / "mutual" / name).stat().st_size > 5000 and f"]({name})" in text
+    assert "## THL residual" in text and "## Rescue set (SGT)" in text and "## Reward" in text
     both = write_report([tmp_path / "solo", tmp_path / "mutual"], tmp_path / "compare")
     text = both.read_text()
     assert "`solo` (grpo)" in text and "`mutual` (sgt)" in text and "| solo | llama | 50.0% ± 2.0 | 51.0% ± 2.0 |" in text
