@@ -130,8 +130,8 @@ def one_round(n: int, watched: bool) -> dict:
             return {"exchange_per_s": rate, "exchange_cpu_us": cpu_us}
         _, received, missed, ticks, cpu_share = watch_out.get(timeout=60)
         lags = [t - newest for t, newest in ticks if started + 1.0 < t <= ended and newest]
-        return {"exchange_per_s": rate, "exchange_cpu_us": cpu_us, "shown": received / max(received + missed, 1), "received": received,
-                "missed": missed, "lags": lags, "monitor_cpu_share": cpu_share}
+        return {"exchange_per_s": rate, "exchange_cpu_us": cpu_us, "shown": received / max(received + missed, 1),
+                "received": received, "missed": missed, "lags": lags, "monitor_cpu_share": cpu_share}
     finally:
         for p in reversed(procs):
             p.join(10) if p is not procs[0] else None
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                       "lag_max_s": round(max(lags), 2) if lags else None, "lag_bar_s": LIVE_BAR_S,
                       "monitor_cpu_share_of_a_core": round(statistics.median(w["monitor_cpu_share"] for w in watched), 4),
                       "live": live, "passes": ratio >= RATE_BAR and live,
-                      "per_round": [{"alone_per_s": round(a["exchange_per_s"]), "with_monitor_per_s": round(w["exchange_per_s"]),
-                                     "shown": round(w["shown"], 4),
+                      "per_round": [{"alone_per_s": round(a["exchange_per_s"]),
+                                     "with_monitor_per_s": round(w["exchange_per_s"]), "shown": round(w["shown"], 4),
                                      "lag_max_s": round(max(w["lags"]), 2) if w["lags"] else None}
                                     for a, w in zip(alone, watched)],
                       "peak_with_monitor_per_s": round(max(w["exchange_per_s"] for w in watched)),

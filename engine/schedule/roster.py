@@ -61,7 +61,8 @@ class Roster:
               ) -> tuple[dict[str, RoleOf], list[tuple[str, object]]]:
         """Take the moves in ``changes`` (leaders swapped for stand-ins, the longest settled by ``moved_at``: worker ->
         when it last changed role); returns what changed and what to send."""
-        changes = {w: rm for w, rm in self._keep_leaders(changes, moved_at or {}).items() if self.assignment.get(w) != rm}
+        changes = self._keep_leaders(changes, moved_at or {})
+        changes = {w: rm for w, rm in changes.items() if self.assignment.get(w) != rm}
         if not changes:
             return {}, []
         old = {m: g.members for m, g in self.groups.items()}
