@@ -202,6 +202,32 @@ def test_waits_for_an_estimate_of_every_pool():
     assert math.isnan(d.predicted_before) and d.to_record()["predicted_before"] is None
 
 
+def test_a_seldom_busy_pool_adds_up_its_busy_time_across_calls():
+    """A cheap model's learners are busy ~10% of the time: no single call's windows reach
+    min_busy_s, but together they do, and the estimate is their pooled rate. Evidence older
+    than stale_stats_s is dropped instead of pooled with new."""
+    cfg = config(decision_interval_s=1.0, min_busy_s=2.0, stale_stats_s=20.0)
+    a = split(BALANCED)
+    key = pool_key(LRN, "b")
+    w = next(w for w, rm in a.items() if rm == (LRN, "b"))
+    mk = lambda t, rate: Stats(schema=SCHEMA_VERSION, worker_id=w, role=LRN, model="b", time=t, window_s=1.0,
+                               consumed_per_s=rate, idle_frac=0.9)  # 0.1 s busy a window
+    state = ControllerState()
+    for t in range(100, 119):  # 19 windows: 1.9 s busy, short of 2 s
+        state = decide(view_from_stats([mk(float(t), 0.4 if t % 2 else 0.8)], a, float(t), cfg), state, cfg).new_state
+        assert key not in state.capacity
+    d = decide(view_from_stats([mk(119.0, 0.4)], a, 119.0, cfg), state, cfg)
+    # done = 10 windows * 0.4 + 10 * 0.8 = 12 samples in 2 s busy
+    assert d.new_state.capacity[key] == pytest.approx(6.0) and key not in d.new_state.pending
+    # 1.5 s of busy time, then a gap longer than stale_stats_s: the old 1.5 s no longer counts
+    state = d.new_state
+    for t in range(120, 135):
+        state = decide(view_from_stats([mk(float(t), 100.0)], a, float(t), cfg), state, cfg).new_state
+    assert state.pending[key][1] == pytest.approx(1.5)
+    state = decide(view_from_stats([mk(160.0, 0.8)], a, 160.0, cfg), state, cfg).new_state
+    assert state.pending[key][:2] == pytest.approx((0.8, 0.1)) and state.capacity[key] == pytest.approx(6.0)
+
+
 def test_flooded_learner_queue_adds_drain_demand():
     cfg = config(flood_queue_s=60.0, drain_horizon_s=60.0, max_move_frac=1.0)
     a = split(BALANCED)

@@ -53,7 +53,7 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     improvement_threshold: NonNegFloat = 0.05  # act only if the slowest pool gets this much faster
     max_move_frac: Annotated[float, Meta(gt=0, le=1)] = 0.25  # at most this share of workers per decision
     ewma_halflife_s: PosFloat = 300.0  # smoothing of capacity estimates: noise vs. drift tracking
-    min_busy_s: NonNegFloat = 5.0  # a pool with less busy time in its windows carries no estimate
+    min_busy_s: NonNegFloat = 5.0  # busy time a pool's windows must add up to (across calls) for one estimate
     flood_queue_s: PosFloat = 900.0  # a learner queue beyond this many seconds of work is flooded
     drain_horizon_s: PosFloat = 900.0  # ... and the excess should drain within this long
     stale_stats_s: PosFloat = 600.0  # Stats older than this are ignored
@@ -110,6 +110,7 @@ class ControllerState(msgspec.Struct, kw_only=True):
 
     capacity: dict[str, float] = {}  # pool -> samples/s of one busy worker (EWMA)
     capacity_at: dict[str, float] = {}  # pool -> time of the last estimate update
+    pending: dict[str, tuple[float, float, float]] = {}  # pool -> (done, busy_s, since): evidence short of min_busy_s
     moved_at: dict[str, float] = {}  # worker -> time it was last reassigned
     last_decision_at: float = -math.inf
     last_move_at: float = -math.inf
@@ -203,12 +204,24 @@ def initial_assignment(worker_ids: list[str], config: ControllerConfig) -> dict[
     return out
 
 
-def _update_capacity(view: ClusterView, state: ControllerState, config: ControllerConfig) -> tuple[dict, dict]:
-    capacity, capacity_at = dict(state.capacity), dict(state.capacity_at)
+def _update_capacity(view: ClusterView, state: ControllerState, config: ControllerConfig) -> ControllerState:
+    """Fold each pool's new windows into its estimate once they add up to ``min_busy_s`` of busy time.
+
+    A pool that is seldom busy (a cheap model's learners, ~10% of the time) shows little busy
+    time per call; its evidence is kept across calls (``pending``) until there is enough, or
+    dropped once it is older than ``stale_stats_s``, so it still speaks within a few calls.
+    """
+    capacity, capacity_at, pending = dict(state.capacity), dict(state.capacity_at), dict(state.pending)
     for key, p in view.pools.items():
-        if p.busy_s < config.min_busy_s or p.busy_s <= 0:
+        done, busy_s, since = pending.pop(key, (0.0, 0.0, view.time))
+        if view.time - since > config.stale_stats_s:
+            done, busy_s, since = 0.0, 0.0, view.time
+        done, busy_s = done + p.done, busy_s + p.busy_s
+        if busy_s < config.min_busy_s or busy_s <= 0:
+            if busy_s > 0:
+                pending[key] = (done, busy_s, since)
             continue
-        sample = p.done / p.busy_s
+        sample = done / busy_s
         if key not in capacity:
             capacity[key] = sample
         else:
@@ -216,7 +229,7 @@ def _update_capacity(view: ClusterView, state: ControllerState, config: Controll
             alpha = 1.0 - 0.5 ** (dt / config.ewma_halflife_s)
             capacity[key] += alpha * (sample - capacity[key])
         capacity_at[key] = view.time
-    return capacity, capacity_at
+    return msgspec.structs.replace(state, capacity=capacity, capacity_at=capacity_at, pending=pending)
 
 
 def _counts(assignment: dict[str, tuple[str, str]]) -> dict[str, int]:
@@ -258,16 +271,16 @@ def _pick_workers(view: ClusterView, state: ControllerState, moves: list[tuple[s
     return out
 
 
-def _no_op(view, state, config, counts, prompt_cap, before, reasons, capacity, capacity_at) -> Decision:
-    new_state = msgspec.structs.replace(state, capacity=capacity, capacity_at=capacity_at)
+def _no_op(view, state, config, counts, prompt_cap, before, reasons) -> Decision:
     return Decision(time=view.time, epoch=state.epoch, acted=False, assignments={}, reasons=reasons,
                     counts_before=counts, counts_after=counts, prompts_per_s_worker=prompt_cap,
-                    predicted_before=before, predicted_after=before, new_state=new_state)
+                    predicted_before=before, predicted_after=before, new_state=state)
 
 
 def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) -> Decision:
     """The MWRA policy: one pure step from (view, state, config) to a Decision."""
-    capacity, capacity_at = _update_capacity(view, state, config)
+    state = _update_capacity(view, state, config)
+    capacity = state.capacity
     counts = _counts(view.assignment)
     lo, hi = config.limits()
     pools = sorted(lo)
@@ -279,14 +292,14 @@ def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) 
     args = (view, state, config, counts, prompt_cap, before)
 
     if view.time - state.last_decision_at < config.decision_interval_s and not violations:
-        return _no_op(*args, ["not yet: decision interval"], capacity, capacity_at)
+        return _no_op(*args, ["not yet: decision interval"])
     state = msgspec.structs.replace(state, last_decision_at=view.time)
     args = (view, state, config, counts, prompt_cap, before)
     if view.time - state.last_move_at < config.cooldown_s and not violations:
-        return _no_op(*args, ["cooling down after the last move"], capacity, capacity_at)
+        return _no_op(*args, ["cooling down after the last move"])
     if not known and not violations:
         missing = [k for k in pools if k not in prompt_cap]
-        return _no_op(*args, [f"waiting for busy time in {', '.join(missing)}"], capacity, capacity_at)
+        return _no_op(*args, [f"waiting for busy time in {', '.join(missing)}"])
 
     # Pools without an estimate (only possible with violations) are valued as fast, so
     # they get exactly their minimum and never pull workers they cannot be shown to need.
@@ -297,8 +310,7 @@ def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) 
     now_rate = bottleneck_rate(pool_counts, prompt_cap, demand) if known else math.nan
     gain = after_target / now_rate - 1.0 if known and now_rate > 0 else math.inf
     if not violations and gain < config.improvement_threshold:
-        return _no_op(*args, notes + [f"balanced: best split gains {gain:+.1%} < {config.improvement_threshold:.0%}"],
-                      capacity, capacity_at)
+        return _no_op(*args, notes + [f"balanced: best split gains {gain:+.1%} < {config.improvement_threshold:.0%}"])
 
     movable: dict[str, list[str]] = {}
     for w, (role, model) in view.assignment.items():
@@ -314,8 +326,7 @@ def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) 
     after_pools = {k: after_counts.get(k, 0) for k in pools}
     after = bottleneck_rate(after_pools, prompt_cap) if known else math.nan
     if not moves or (known and not violations and bottleneck_rate(after_pools, prompt_cap, demand) <= now_rate):
-        return _no_op(*args, notes + ["no allowed move speeds up the slowest pool (dwell, move budget)"],
-                      capacity, capacity_at)
+        return _no_op(*args, notes + ["no allowed move speeds up the slowest pool (dwell, move budget)"])
 
     assignments = _pick_workers(view, state, moves, movable)
     moved_at = dict(state.moved_at)
@@ -324,8 +335,8 @@ def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) 
     why = (f"restore limits of {', '.join(violations)}" if violations
            else f"slowest pool {min(pools, key=lambda k: pool_rate(pool_counts[k], prompt_cap[k]))} "
                 f"limits the run: predicted {before:.3g} -> {after:.3g} prompts/s")
-    new_state = ControllerState(capacity=capacity, capacity_at=capacity_at, moved_at=moved_at,
-                                last_decision_at=view.time, last_move_at=view.time, epoch=state.epoch + 1)
+    new_state = msgspec.structs.replace(state, moved_at=moved_at, last_decision_at=view.time,
+                                        last_move_at=view.time, epoch=state.epoch + 1)
     return Decision(time=view.time, epoch=new_state.epoch, acted=True, assignments=assignments,
                     reasons=notes + [why, f"moves: {summary}"], counts_before=counts, counts_after=after_counts,
                     prompts_per_s_worker=prompt_cap, predicted_before=before, predicted_after=after,
