@@ -16,8 +16,10 @@ times, interleaved (so machine contention hits both alike):
 
 Each text's (batch's) time is the minimum over rounds; throughput counts destination tokens. ratio =
 tokens_per_s / encode_only_tokens_per_s, batch_ratio likewise for batches; limit: both >= 0.85.
-Also reported: the median-based ratio, transformers' `dst.encode` throughput, cache-hit throughput
-and the mean residual. Last line of stdout: one JSON object.
+Also reported: the median-based ratio, transformers' `dst.encode` throughput, cache-hit throughput,
+the mean residual, and (not gated) `ids_only_ratio` / `batch_ids_only_ratio`: the bridge against the
+fastest way the destination has to give a text's ids, `encode_batch_fast` (no offsets) and `.ids`,
+which the bridge itself calls inside. Last line of stdout: one JSON object.
 """
 
 from __future__ import annotations
@@ -104,8 +106,12 @@ def bench_batches(bridge: Bridge, backend, completions, logprobs, results, round
     def encode_batch(texts: list[str]):
         return backend.encode_batch(texts, add_special_tokens=False)
 
+    def ids_only(texts: list[str]):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
     t_bridge = np.full((rounds, len(batches)), np.inf)
     t_encode = np.full((rounds, len(batches)), np.inf)
+    t_ids = np.full((rounds, len(batches)), np.inf)
     for r in range(rounds):
         for i, (ids, lps, texts) in enumerate(batches):
             if (r + i) % 2:
@@ -114,12 +120,14 @@ def bench_batches(bridge: Bridge, backend, completions, logprobs, results, round
             else:
                 t_encode[r, i] = _time(encode_batch, texts)
                 t_bridge[r, i] = _time(bridge.batch, ids, lps)
+            t_ids[r, i] = _time(ids_only, texts)
     bridge_s, encode_s = t_bridge.min(axis=0).sum(), t_encode.min(axis=0).sum()
     return {
         "batch_size": size,
         "batch_tokens_per_s": round(n_dst / bridge_s),
         "batch_encode_tokens_per_s": round(n_dst / encode_s),
         "batch_ratio": round(float(encode_s / bridge_s), 3),
+        "batch_ids_only_ratio": round(float(t_ids.min(axis=0).sum() / bridge_s), 3),
     }
 
 
@@ -140,9 +148,13 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
     def hf_encode(text: str):
         return dst.encode(text, add_special_tokens=False)
 
+    def ids_only(text: str):
+        return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
     t_bridge = np.full((rounds, n_texts), np.inf)
     t_encode = np.full((rounds, n_texts), np.inf)
     t_hf = np.full((rounds, n_texts), np.inf)
+    t_ids = np.full((rounds, n_texts), np.inf)
     for r in range(rounds):
         for i, (ids, lp, text) in enumerate(zip(completions, logprobs, texts)):
             if (r + i) % 2:  # alternate order so neither side always runs first
@@ -152,6 +164,7 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
                 t_encode[r, i] = _time(encode, text)
                 t_bridge[r, i] = _time(bridge, ids, lp)
             t_hf[r, i] = _time(hf_encode, text)
+            t_ids[r, i] = _time(ids_only, text)
     n_dst = sum(len(res.dst_ids) for res in results)
     cached = Bridge(src, dst, cache_size=n_texts)
     for ids, lp in zip(completions, logprobs):
@@ -168,6 +181,7 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
         "ratio": round(float(encode_s / bridge_s), 3),
         "median_ratio": round(median_ratio, 3),
         "hf_encode_tokens_per_s": round(n_dst / t_hf.min(axis=0).sum()),
+        "ids_only_ratio": round(float(t_ids.min(axis=0).sum() / bridge_s), 3),
         "cached_tokens_per_s": round(n_dst / t_cached),
         "mean_residual": round(float(np.mean([res.residual for res in results])), 4),
         "cache_hits": cached.stats.cache_hits,
@@ -194,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
             f" (median {row['median_ratio']:.3f})  residual {row['mean_residual']:.3f}"
             f"  | batched x{row['batch_size']} {row['batch_tokens_per_s']:>9,} tok/s"
             f"  encode_batch {row['batch_encode_tokens_per_s']:>9,} tok/s  ratio {row['batch_ratio']:.3f}"
+            f"  | vs ids only {row['ids_only_ratio']:.3f} / {row['batch_ids_only_ratio']:.3f}"
         )
     worst = min(row["ratio"] for row in pairs.values())
     worst_batch = min(row["batch_ratio"] for row in pairs.values())

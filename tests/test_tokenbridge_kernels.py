@@ -143,3 +143,25 @@ def test_a_new_bridge_has_compiled_what_its_calls_use(tmp_path_factory):
                           timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_destination_shift_is_found_whichever_way_the_first_token_points(toks):
+    """The destination pass finds a SentencePiece run's dummy-prefix shift by checking its bytes: "▁Hello"
+    spells " Hello", so against the text "Hello" it holds one dropped space (shift 1), against " Hello"
+    none (shift 0), and against " Hallo" it spells neither (-1: the offsets path)."""
+    from array import array
+
+    from tokenbridge import kernels
+    from tokenbridge.profile import profile_of
+
+    gpt2, mistral = profile_of(toks["gpt2"]), profile_of(toks["mistral"])
+    hello = encode(toks["mistral"], "Hello")
+    assert toks["mistral"].convert_ids_to_tokens(hello) == ["\u2581Hello"]
+    for text, shift in (("Hello", 1), (" Hello", 0), (" Hallo", -1)):
+        src = np.array(encode(toks["gpt2"], text), dtype=np.int64)
+        _, _, raw, bounds, byte_firsts, _ = kernels.spell_one(src, gpt2.record, gpt2.inline, gpt2.blob, False)
+        out = kernels.align_one(array("I", hello), 0, 2, mistral.record, mistral.inline, mistral.blob, True, raw,
+                                byte_firsts, bounds)
+        assert out[0].tolist() == [shift] and bool(out[3]) == (shift >= 0)
+        if shift >= 0:
+            assert out[1].tolist() == hello and out[6].tolist() == [0, len(src)] and out[7].tolist() == [0, 1]
