@@ -80,7 +80,9 @@ def report(c, result: RunResult | None) -> int:
               f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
     if c.interrupted is not None:
         name = signal.Signals(c.interrupted).name
-        saved = ", ".join(f"{m} at step {f.step}" for m, f in c.finals.items()) or "none (nothing trained)"
+        # In the config's model order, not the order the finals came in: the marker reads the same every run.
+        saved = ", ".join(f"{m} at step {c.finals[m].step}" for m in c.names if m in c.finals) \
+            or "none (nothing trained)"
         mark(c.run_dir, "INTERRUPTED", f"stopped by {name} during {c.interrupted_in}; "
                                        f"checkpoints and final evaluations: {saved}")
     if c.failures.messages:
