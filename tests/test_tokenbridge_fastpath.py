@@ -4,17 +4,14 @@ the tokenizers' own encode/decode (never against the bridge's tables), on every 
 from __future__ import annotations
 
 import itertools
-import json
 import unicodedata
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
 from tokenbridge import BUILTIN_NAMES, Bridge, UndecodableTextError, load_tokenizer
-from tokenbridge.guard import text_guard
 
 PAIRS = list(itertools.product(BUILTIN_NAMES, repeat=2))
 EOS = {"gpt2": 50256, "mistral": 2, "qwen2": 151643}
@@ -122,50 +119,6 @@ def test_token_holding_0xff_is_undecodable(toks):
         bridge(encode(toks["gpt2"], "ok") + [187])
     outs = bridge.batch([[187], encode(toks["gpt2"], "fine")])
     assert isinstance(outs[0], UndecodableTextError) and outs[1].text == "fine"
-
-
-# -- the text guard: when equal length may stand for equal bytes ------------------------------------
-
-NFKC = {"type": "NFKC"}
-COLLAPSE = {"type": "Replace", "pattern": {"String": "  "}, "content": " "}  # deletes a space
-DOUBLE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581\u2581"}  # inserts mid-text
-REMOVE_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False}
-PREFIX_LATE = [{"type": "Split", "pattern": {"String": " "}, "behavior": "Isolated", "invert": False},
-               {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]
-
-
-def mutated(tok, **changes):
-    """The tokenizer's backend with parts of its JSON replaced."""
-    config = json.loads(tok.backend_tokenizer.to_str())
-    for key, value in changes.items():
-        if key == "normalizer_steps":
-            config["normalizer"] = {"type": "Sequence", "normalizers": value}
-        elif key == "pre_steps":
-            config["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": value}
-        elif key == "added_not_special":
-            config["added_tokens"][0]["special"] = False
-        else:
-            config[key] = value
-    return Tokenizer.from_str(json.dumps(config))
-
-
-@pytest.mark.parametrize(
-    ("name", "changes"),
-    [("gpt2", {"normalizer": NFKC}), ("gpt2", {"normalizer": {"type": "Lowercase"}}),
-     ("mistral", {"normalizer_steps": [COLLAPSE]}), ("mistral", {"normalizer_steps": [DOUBLE]}),
-     ("qwen2", {"pre_steps": [REMOVE_SPLIT, {**PREFIX_LATE[1], "add_prefix_space": False}]}),
-     ("gpt2", {"pre_steps": [{"type": "Whitespace"}]}), ("gpt2", {"pre_steps": PREFIX_LATE}),
-     ("gpt2", {"added_not_special": True}), ("mistral", {"added_not_special": True})],
-)
-def test_text_guard_refuses_what_could_change_text_at_equal_length(toks, name, changes):
-    assert text_guard(toks[name].backend_tokenizer) is not None
-    assert text_guard(mutated(toks[name], **changes)) is None
-
-
-def test_text_guards_of_the_builtins(toks):
-    gpt2, mistral, qwen2 = (text_guard(toks[n].backend_tokenizer) for n in ("gpt2", "mistral", "qwen2"))
-    assert gpt2("x\u2581y e\u0301") and mistral("e\u0301") and not mistral("x\u2581y")
-    assert qwen2("caf\u00e9 x\u2581y") and not qwen2("cafe\u0301")
 
 
 def test_token_longer_than_the_tables_hold(toks, tmp_path_factory):

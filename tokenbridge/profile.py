@@ -15,14 +15,12 @@ import json
 import weakref
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from tokenbridge.guard import text_guard
 
 # Special tokens that end a completion; the engine may also pass its own EOS id.
 END_TOKEN_TEXTS = frozenset(
@@ -75,7 +73,6 @@ class VocabProfile:
     unicode_form: str | None  # the normalizer is exactly this Unicode form (Qwen2: "NFC"), else None
     composes: bool  # the normalizer may compose, decompose or reorder characters (any NF* inside it)
     exact: bool  # decode == concatenated token bytes on every probe text
-    text_guard: Callable[[str], bool] | None  # if it holds for a text, equal length means the tokens spell it
     fingerprint: str  # sha256 of the serialized tokenizer: equal fingerprints tokenize identically
 
     @property
@@ -226,7 +223,6 @@ def _build(tok: PreTrainedTokenizerFast) -> VocabProfile:
         unicode_form=form,
         composes=composes,
         exact=False,
-        text_guard=text_guard(backend),
         fingerprint=hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest(),
     )
     return _verified(profile, backend)
