@@ -145,7 +145,7 @@ def test_a_new_bridge_has_compiled_what_its_calls_use(tmp_path_factory):
     assert done.stdout.strip() == "[]"
 
 
-def test_destination_shift_is_found_whichever_way_the_first_token_points(toks):
+def test_destination_shift_is_0_1_or_neither_by_the_bytes_of_the_first_token(toks):
     """The destination pass finds a SentencePiece run's dummy-prefix shift by checking its bytes: "▁Hello"
     spells " Hello", so against the text "Hello" it holds one dropped space (shift 1), against " Hello"
     none (shift 0), and against " Hallo" it spells neither (-1: the offsets path)."""
