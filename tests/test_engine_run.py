@@ -85,10 +85,13 @@ def _mean_logprob(checkpoint: str, experiences) -> float:
 
 
 def test_learning_moves_in_the_rewards_direction(smoke_run):
-    """Verified-correct samples the learner trained on became more likely than under the warm start.
+    """Verified-correct samples became more likely, against the wrong ones, than under the warm start.
 
     The smoke warm start trains until the model solves at least a fifth of its training problems
-    (warmstart.stop_accuracy), so every machine has plenty of successes to judge by.
+    (warmstart.stop_accuracy), so every machine has plenty of successes to judge by. The comparison is
+    relative: in 12 steps the peer's successes (SGT) move every sample of a weak model's own, and a run
+    of 2026-12-03 saw gpt2's correct samples fall 0.016 nats on their own while its wrong ones fell
+    0.19; what the reward decides is which of the two gains on the other (a flipped advantage fails).
     """
     run, code = smoke_run
     assert code == 0
@@ -96,10 +99,12 @@ def test_learning_moves_in_the_rewards_direction(smoke_run):
     log = list(ExperienceLogReader(run.run_dir / "experience_log"))
     for model, final in finals.items():
         correct = [e for e in log if e.model == model and e.verified]
+        wrong = [e for e in log if e.model == model and not e.verified]
         assert len(correct) >= 30, f"{model}: {len(correct)} verified samples; the warm start should give more"
-        after = _mean_logprob(final["checkpoint"], correct)
-        before = _mean_logprob(final["warm_checkpoint"], correct)
-        assert after > before, f"{model}: mean log-prob of correct samples {before:.3f} -> {after:.3f}"
+        assert len(wrong) >= 30, f"{model}: {len(wrong)} wrong samples; the smoke task should not be solved yet"
+        gain = {name: _mean_logprob(final["checkpoint"], samples) - _mean_logprob(final["warm_checkpoint"], samples)
+                for name, samples in (("correct", correct), ("wrong", wrong))}
+        assert gain["correct"] > gain["wrong"], f"{model}: mean log-prob change of its samples {gain}"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
