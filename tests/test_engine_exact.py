@@ -25,6 +25,7 @@ from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
 from engine.train.step import peers_for, train_share
+from gloo_ranks import leave_group
 
 WORLD, LR, CLIP = 2, 1e-2, 1e6  # the clip never binds: the summed gradient is what the step keeps
 # (objective config, prompts); prompts 0 and 2 go to rank 0, 1 and 3 to rank 1
@@ -104,8 +105,7 @@ def _rank(rank: int, endpoint: str, out: str) -> None:
         figures = train_share(state, data, own, peers, rank, WORLD, objective, pad, CLIP, LR)
         results[name] = {"grads": _grads(state), "weights": dp.params_digest(state.model), "figures": figures}
     torch.save(results, f"{out}.{rank}")
-    dist.barrier()  # neither rank tears its group down while the other may still use it (a gloo abort at exit, once)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _one_rank(name: str) -> tuple[dict, dict]:

@@ -35,6 +35,7 @@ from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
 from engine.train.sharding import ShardedTwin, decoder_blocks, micro_batches, shard, sharded_step
 from engine.train.step import peers_for, train_share
+from gloo_ranks import leave_group
 
 WORLD, G, Q, STEPS, LR = 2, 2, 6, 2, 1e-2
 TOKENIZER = {"gpt2": "gpt2", "qwen2": "qwen2", "llama": "mistral"}
@@ -107,8 +108,7 @@ def _rank(rank: int, endpoint: str, out: str, arch: str, accum: int, checkpoint:
     local = {n: p.to_local().numel() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"params": params, "moments": moments, "grads": grads, "norms": norms, "local": local}, out)
-    dist.barrier()  # neither rank tears its group down while the other may still use it (a gloo abort at exit, once)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _sharded(tmp_path, arch: str, accum: int, checkpoint: bool, clip: float, obj: str) -> dict:
@@ -248,8 +248,7 @@ def _twin_rank(rank: int, endpoint: str, out: str) -> None:
     found["after_close"] = dp.state_digest(sharded) == dp.state_digest(replicated)
     found["full_numel"] = sum(p.numel() for p in replicated.params)
     torch.save(found, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_a_sharded_formation_holds_and_gives_back_the_replicated_state_bit_for_bit(tmp_path) -> None:
@@ -287,8 +286,7 @@ def _bf16_rank(rank: int, endpoint: str, out: str) -> None:
         bf16, fp32 = (torch.cat([p.detach().reshape(-1) for p in s.params]) for s in states)
         torch.save({"dtypes": {str(p.dtype) for p in states[0].params}, "bf16": bf16 - before, "fp32": fp32 - before},
                    out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_a_bf16_formation_keeps_fp32_master_weights_and_steps_like_fp32(tmp_path) -> None:
