@@ -43,7 +43,7 @@ from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, Ha
                                   PeersGone, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json, write_pids
 from engine.schedule.resume import resume_plan
-from engine.schedule.allocator import Script, make_allocator
+from engine.schedule.allocator import make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
@@ -64,7 +64,7 @@ class Coordinator:
         self.nodes = None  # engine.runtime.nodes.NodeLink, in a cluster
         self.resume_from: dict[str, str] = {}  # model -> checkpoint, for the workers spawned at the start
         self.names = cfg.names
-        self.allocator, self.script = make_allocator(cfg), Script(cfg.pool.script)
+        self.allocator = make_allocator(cfg, run_dir)  # with the scripted moves (.script)
         self.dispatch = Dispatch(cfg, make_task(cfg.task))
         self.roster = Roster(self.names, host_of=lambda w: self.nodes.address(self.place_of[w][0]) if self.nodes
                              else "127.0.0.1")  # a group's rendezvous is on its leader's machine
@@ -226,7 +226,7 @@ class Coordinator:
                     next_tick = now + self.cfg.pool.controller_every_s
                     await self._tick(now)
                 self.dispatch_all()
-                display.refresh(f"[pool] {self._counts_text()}")
+                display.refresh(f"[pool] {' '.join(f'{k}={v}' for k, v in sorted(self.roster.counts().items()))}")
                 await self.wait_changed(min(self.cfg.pool.controller_every_s, deadline - now))
         finally:
             display.close()
@@ -246,7 +246,7 @@ class Coordinator:
             self.metrics.write(event="paused", seconds=round(stall, 1))
 
     async def _tick(self, now: float) -> None:
-        for move in self.script.due(dict(self.dispatch.steps)):
+        for move in self.allocator.script.due(dict(self.dispatch.steps)):
             await self.apply({move.worker: (move.role, move.model)}, f"scripted move at {move.step_of} step {move.at_step}",
                              by_allocator=False)
         changes, reason, records = self.allocator.tick(now, self.fresh, dict(self.roster.assignment))
@@ -378,10 +378,9 @@ class Coordinator:
         except TimeoutError:
             pass
 
-    def _counts_text(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in sorted(self.roster.counts().items()))
-
     def _log_counts(self) -> None:
+        """The split into metrics.jsonl (when it changed, and every fifth call) and into allocation.json."""
+        self.allocator.keep(self.roster.assignment)
         t = round(time.time() - (self.t_start or time.time()), 2)
         counts = self.roster.counts()
         if not self.timeline or self.timeline[-1]["counts"] != counts or len(self.timeline) % 5 == 0:

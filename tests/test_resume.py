@@ -21,6 +21,7 @@ from engine.config import load_run_config
 from engine.schedule.dispatch import Dispatch
 from tasks.registry import make_task
 from tests.enginerun import ROOT, Run
+from tests.poolsetup import script
 
 STEPS, Q = 8, 8  # smoke.toml: 8 prompts a step
 
@@ -67,17 +68,31 @@ def _session(records: list[dict], n: int) -> list[dict]:
     return records[cuts[n]:cuts[n + 1]] if n + 1 < len(cuts) else []
 
 
+def _check_split_kept(session: list[dict], split: dict[str, list[str]]) -> None:
+    """A resumed session starts from ``split`` (allocation.json) and makes no scripted move again."""
+    assert [r["restored"] for r in session if r.get("event") == "resume_allocation"] == [True]
+    assert [r["workers"] for r in session if r.get("event") == "allocation"][0] == split
+    assert not [r for r in session if r.get("event") == "assign" and "scripted" in r["reason"]]
+
+
 @pytest.mark.slow
 def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tmp_path, engine_cache):
     """SIGTERM at step 3 (the launcher stops with checkpoints), resume, SIGKILL of the launcher alone
     after a new checkpoint (its workers must notice and leave on their own), resume again: the run ends
-    where an uninterrupted one ends. Then the finished run, resumed with more steps, trains only the new prompts."""
+    where an uninterrupted one ends. Then the finished run, resumed with more steps, trains only the new prompts.
+    The two generators swap models at gpt2's step 1 (scripted): every resumed session starts from the swapped
+    split, and the script does not fire again."""
     steps = 2 * STEPS  # room to kill the second session after its first checkpoint (step 4) and before its end
-    run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=2")
+    swap = script(("gpt2", 1, "w0", "generator", "llama"), ("gpt2", 1, "w1", "generator", "gpt2"))
+    run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=2", swap)
     run.wait_steps(3, "llama", timeout=900)
     run.signal(signal.SIGTERM)
     assert run.finish() == 143, run.out[-3000:]
     stopped = {r["model"]: r["step"] for r in run.events("final")}
+    swapped = {"w0": ["generator", "llama"], "w1": ["generator", "gpt2"], "w2": ["learner", "gpt2"],
+               "w3": ["learner", "llama"]}
+    assert json.loads((run.run_dir / "allocation.json").read_text())["assignment"] == swapped
+    assert len([r for r in run.events("assign") if "scripted" in r["reason"]]) == 2
 
     second = Run(run.run_dir, None)
     second.wait_for(lambda: all(
@@ -87,6 +102,7 @@ def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tm
     resumes = [r for r in _session(second.records(), 1) if r.get("event") == "resume" and "gen_model" in r]
     assert {r["gen_model"]: r["step"] for r in resumes} == stopped  # each model went on from where it stopped
     assert any(r.get("event") == "resumed" and "SIGTERM" in json.dumps(r) for r in second.records())
+    _check_split_kept(_session(second.records(), 1), swapped)
     second.track()
     os.kill(second.proc.pid, signal.SIGKILL)
     second.finish()
@@ -96,6 +112,8 @@ def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tm
     third = Run(run.run_dir, None)
     _check_resumed(third, steps)
     assert "[resume] gpt2: from step" in third.out and "logged samples to replay" in third.out
+    assert "[resume] workers take the roles they had when the run stopped: w0 generator:llama" in third.out
+    _check_split_kept(_session(third.records(), 2), swapped)
     assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
 
     records = third.records()

@@ -8,7 +8,8 @@ checkpoint had trained and L the prompts of which the log holds any of m's sampl
 - every prompt of an issued step (up to the newest step in C or L) that is not in C and
   not complete in the log is handed out again, the partly logged ones as re-generations
   (the learner keeps the first copy of a sample; the audit counts the rest as regenerated);
-- the dispatcher continues after the newest issued step.
+- the dispatcher continues after the newest issued step;
+- the workers take the roles they had (``allocation.json``, see ``engine.schedule.allocator``).
 """
 
 from __future__ import annotations
@@ -47,5 +48,8 @@ def resume_plan(coord) -> dict[str, str]:
               "again", file=sys.stderr, flush=True)
         metrics.write(event="resume", gen_model=m, step=step, checkpoint=start.get(m), replay_samples=replay,
                       regenerate_prompts=len(owed))
+    said = coord.allocator.recall()
+    print(f"[resume] {said}", file=sys.stderr, flush=True)
+    metrics.write(event="resume_allocation", restored=bool(coord.allocator.recalled), why=said)
     metrics.close()
     return start
