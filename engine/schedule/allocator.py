@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from engine.config import RunConfig, ScriptedMove
+from engine.schedule.allocation import ROLES
 from engine.schedule.controller import (ControllerConfig, ControllerState, ModelLimits, decide, initial_assignment,
                                         view_from_stats)
 from exchange.protocol import Stats
@@ -195,7 +196,7 @@ def load_allocation(run_dir: Path, workers: list[str], models: list[str]) -> tup
         return None, "no saved allocation: workers start from the config's split"
     try:
         saved = msgspec.convert(json.loads(path.read_text()), SavedAllocation)
-    except (ValueError, msgspec.ValidationError) as exc:
+    except (OSError, ValueError, msgspec.ValidationError) as exc:
         return None, f"{path}: unreadable ({exc}); workers start from the config's split"
     unfit = _unfit(saved.assignment, workers, models)
     if unfit:
@@ -208,10 +209,10 @@ def _unfit(assignment: dict[str, RoleOf], workers: list[str], models: list[str])
     if sorted(assignment) != sorted(workers):
         return f"it names workers {sorted(assignment)}, this run has {sorted(workers)}"
     for w, (role, model) in sorted(assignment.items()):
-        if (role, model) != ("idle", "") and (role not in ("generator", "learner") or model not in models):
+        if (role, model) != ("idle", "") and (role not in ROLES or model not in models):
             return f"{w} has the role {role}:{model}"
     for m in models:
-        for role in ("generator", "learner"):
+        for role in ROLES:
             if (role, m) not in assignment.values():
                 return f"{m} has no {role}"
     return ""
