@@ -159,9 +159,11 @@ def test_destination_shift_is_0_1_or_neither_by_the_bytes_of_the_first_token(tok
     assert toks["mistral"].convert_ids_to_tokens(hello) == ["\u2581Hello"]
     for text, shift in (("Hello", 1), (" Hello", 0), (" Hallo", -1)):
         src = np.array(encode(toks["gpt2"], text), dtype=np.int64)
-        _, _, raw, bounds, byte_firsts, _ = kernels.spell_one(src, gpt2.record, gpt2.inline, gpt2.blob, False)
-        out = kernels.align_one(array("I", hello), 0, 2, mistral.record, mistral.inline, mistral.blob, True, raw,
-                                byte_firsts, bounds)
-        assert out[0].tolist() == [shift] and bool(out[3]) == (shift >= 0)
-        if shift >= 0:
-            assert out[1].tolist() == hello and out[6].tolist() == [0, len(src)] and out[7].tolist() == [0, 1]
+        _, _, _, raw, bounds = kernels.spell_one(src, gpt2.record, gpt2.inline, gpt2.blob, False)
+        got, ok, _, m, g_count, ints, _ = kernels.align_one(array("I", hello), 0, 2, mistral.record, mistral.inline,
+                                                          mistral.blob, True, raw, bounds)
+        assert got == shift and bool(ok) == (shift >= 0)
+        if shift >= 0:  # ints: dst_ids (m) | dst_group (m) | src_group (n) | src_at | dst_at | chars (G+1 each)
+            src_at = ints[2 * m + len(src) :][: g_count + 1]
+            dst_at = ints[2 * m + len(src) + g_count + 1 :][: g_count + 1]
+            assert ints[:m].tolist() == hello and src_at.tolist() == [0, len(src)] and dst_at.tolist() == [0, 1]

@@ -267,8 +267,9 @@ class Bridge:
             if lp.dtype != np.float64 and lp.dtype != np.float32:
                 lp = lp.astype(np.float64)  # as np.bincount would read them
             # a NaN or infinite log-prob, or finite ones that overflow together, make their group sum non-finite
-            bad, group_sum, dst_lp, dst_mask = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
+            bad, dst_lp, dst_mask = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
             if bad >= 0:
+                group_sum = np.bincount(span.src_group, weights=lp, minlength=n_groups)  # the kernel's sums, again
                 raise nonfinite_logprobs(lp, group_sum, span.groups.src)
         if msk is None:
             if dst_mask is None:

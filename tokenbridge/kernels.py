@@ -86,11 +86,14 @@ def spell(ids, src_firsts, record, inline, blob, strips_leading_space):
 
 @njit(cache=True, nogil=True)
 def spell_one(ids, record, inline, blob, strips_leading_space):
-    """`spell` of one completion."""
+    """`spell` of one completion, as few objects as a call can return: (bad, any_flags, drop, raw (L,) uint8,
+    bounds (n+1,) int64). Each array a compiled call returns costs Python an allocation and a box, several
+    microseconds right after an encode has evicted the caches."""
     firsts = np.empty(2, np.int64)
     firsts[0] = 0
     firsts[1] = ids.size
-    return spell(ids, firsts, record, inline, blob, strips_leading_space)
+    bad, any_flags, raw, bounds, _, drop = spell(ids, firsts, record, inline, blob, strips_leading_space)
+    return bad, any_flags, drop[0] if bad < 0 else 0, raw, bounds
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -284,8 +287,11 @@ def align(dst_ids, dst_firsts_in, n_end, eos_id, record, inline, blob, strips_le
 
 
 @njit(cache=True, nogil=True)
-def align_one(dst_ids, n_end, eos_id, record, inline, blob, strips_leading_space, raw, byte_firsts, src_bounds):
-    """`align` of one completion."""
+def align_one(dst_ids, n_end, eos_id, record, inline, blob, strips_leading_space, raw, src_bounds):
+    """`align` of one completion (raw: its bytes, src_bounds: `spell_one`'s), packed into two arrays for the
+    same reason as `spell_one`: (shift, ok, inexact, m, g_count, ints, n_dst) with ints (2m + n + 3(G+1),)
+    = dst_ids (m) | dst_group (m) | src_group (n) | src_at | dst_at | chars (G+1 each), n_dst (G,) float64;
+    both empty unless shift >= 0 and ok."""
     dst_firsts = np.empty(2, np.int64)
     dst_firsts[0] = 0
     dst_firsts[1] = len(dst_ids)
@@ -294,14 +300,28 @@ def align_one(dst_ids, n_end, eos_id, record, inline, blob, strips_leading_space
     src_firsts = np.empty(2, np.int64)
     src_firsts[0] = 0
     src_firsts[1] = src_bounds.size - 1
-    return align(dst_ids, dst_firsts, ends, eos_id, record, inline, blob, strips_leading_space, raw, byte_firsts,
-                 src_bounds, src_firsts)
+    byte_firsts = np.empty(2, np.int64)
+    byte_firsts[0] = 0
+    byte_firsts[1] = raw.size
+    shift, ids, _, ok, src_group, dst_group, src_at, dst_at, chars, n_dst, inexact = align(
+        dst_ids, dst_firsts, ends, eos_id, record, inline, blob, strips_leading_space, raw, byte_firsts, src_bounds,
+        src_firsts,
+    )
+    if shift[0] < 0 or not ok:
+        return shift[0], ok, 0, 0, 0, np.empty(0, np.int64), np.empty(0)
+    m, n, g1 = ids.size, src_group.size, src_at.size
+    ints = np.empty(2 * m + n + 3 * g1, np.int64)
+    at = 0
+    for part in (ids, dst_group, src_group, src_at, dst_at, chars):
+        ints[at : at + part.size] = part
+        at += part.size
+    return shift[0], ok, inexact[0], m, g1 - 1, ints, n_dst
 
 
 @njit(cache=True, nogil=True)
 def spread(src_group, dst_group, n_dst, logprobs):
     """Each group's log-prob sum (float64, in token order, as np.bincount adds) spread uniformly over its
-    destination tokens. Returns (bad, sums, dst_logprobs, all_true): bad is the first group whose sum is not
+    destination tokens. Returns (bad, dst_logprobs, all_true): bad is the first group whose sum is not
     finite, else -1 (dst_logprobs is then empty); all_true: (M,) True, the loss mask when none was given
     (one call less on the path that matters, the engine's)."""
     g_count = n_dst.size
@@ -310,12 +330,12 @@ def spread(src_group, dst_group, n_dst, logprobs):
         sums[src_group[i]] += logprobs[i]
     for g in range(g_count):
         if not np.isfinite(sums[g]):
-            return g, sums, np.empty(0), np.empty(0, np.bool_)
+            return g, np.empty(0), np.empty(0, np.bool_)
     out = np.empty(dst_group.size)
     for j in range(dst_group.size):
         g = dst_group[j]
         out[j] = sums[g] / n_dst[g]
-    return -1, sums, out, np.ones(dst_group.size, np.bool_)  # and the loss mask when none was given
+    return -1, out, np.ones(dst_group.size, np.bool_)  # and the loss mask when none was given
 
 
 @njit(cache=True, nogil=True)
@@ -369,17 +389,20 @@ def compile_all() -> None:
     inline[0, INLINE_AT] = ord("a")
     blob = np.frombuffer(b"a", dtype=np.uint8)
     for ids in (np.zeros(1, np.int64), np.zeros(1, np.int32)):
-        _, _, raw, bounds, byte_firsts, _ = spell_one(ids, record, inline, blob, False)
-        spell(ids, np.array([0, 1], np.int64), record, inline, blob, False)
+        _, _, _, raw, bounds = spell_one(ids, record, inline, blob, False)
+        _, _, _, _, byte_firsts, _ = spell(ids, np.array([0, 1], np.int64), record, inline, blob, False)
     from array import array
 
     dst = array("I", [0])
-    out = align_one(dst, 0, 0, record, inline, blob, False, raw, byte_firsts, bounds)
+    _, _, _, m, _, ints, n_dst = align_one(dst, 0, 0, record, inline, blob, False, raw, bounds)
     one = np.ones(1, np.int64)
-    align_batch(dst, np.array([0, 1], np.int64), one * 0, 0, record, inline, blob, False, raw, byte_firsts, bounds,
-                np.array([0, 1], np.int64))
-    for array_ in (out[4], out[5], out[9]):
-        array_.setflags(write=False)  # as the bridge passes them: shared with its cache
+    out = align_batch(dst, np.array([0, 1], np.int64), one * 0, 0, record, inline, blob, False, raw, byte_firsts,
+                      bounds, np.array([0, 1], np.int64))
+    ints.setflags(write=False)  # as the bridge passes them: shared with its cache
+    n_dst.setflags(write=False)
+    for array_ in (out[4], out[5], out[10]):
+        array_.setflags(write=False)
     for dtype in (np.float64, np.float32):
-        spread(out[4], out[5], out[9], np.zeros(1, dtype))
+        spread(ints[2 * m :], ints[m : 2 * m], n_dst, np.zeros(1, dtype))  # views of a packed single alignment
+        spread(out[4], out[5], out[10], np.zeros(1, dtype))  # the batch's own arrays
     _READY.append(True)

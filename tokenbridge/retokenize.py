@@ -236,10 +236,11 @@ def _fast(
     return []
 
 
-def decoded_text(raw: bytes) -> str:
-    """The completion's text; a cut inside a UTF-8 character is an ``UndecodableTextError``."""
+def decoded_text(raw: bytes | np.ndarray) -> str:
+    """The completion's text (raw: bytes, or a uint8 array, decoded in place); a cut inside a UTF-8 character
+    is an ``UndecodableTextError``."""
     try:
-        return raw.decode("utf-8")
+        return str(raw, "utf-8")
     except UnicodeDecodeError as exc:
         raise UndecodableTextError(
             f"source ids decode to invalid UTF-8 at byte {exc.start} of {len(raw)} (completion cut inside a character?)"

@@ -33,19 +33,16 @@ class SpelledOne:
 
     raw: np.ndarray  # (L,) uint8
     bounds: np.ndarray  # (n+1,) int64 start byte of each token in raw, then L
-    byte_firsts: np.ndarray  # (2,) int64: 0, L
     drop: int  # 1 if a dummy-prefix space was dropped
     any_flags: int  # flags of all tokens or-ed (profile.SPECIAL, ...)
 
 
 def spell_one(src: VocabProfile, ids: np.ndarray) -> SpelledOne:
     """Spell 1-D int32/int64 ids; raises `InvalidTokenIdError` (via `checked_ids`) for an id outside the vocabulary."""
-    bad, any_flags, raw, bounds, byte_firsts, drop = kernels.spell_one(
-        ids, src.record, src.inline, src.blob, src.strips_leading_space
-    )
+    bad, any_flags, drop, raw, bounds = kernels.spell_one(ids, src.record, src.inline, src.blob, src.strips_leading_space)
     if bad >= 0:
         checked_ids(src, ids)  # raises, naming the position and the value as given
-    return SpelledOne(raw, bounds, byte_firsts, int(drop[0]), any_flags)
+    return SpelledOne(raw, bounds, drop, any_flags)
 
 
 def align_one(
@@ -53,29 +50,35 @@ def align_one(
 ) -> Aligned:
     """Align spelled source ids onto the destination's encoding of their text; raises a `BridgeError`
     where `retokenize_many` would return one."""
-    n = len(ids)
     n_end = 0
     if spelled.any_flags & SPECIAL:
         n_end = split_eos(src, ids, (src.flag.take(ids) & SPECIAL).view(bool), dst_eos_id)
-    raw = spelled.raw.tobytes()
-    if not raw:
+    if not spelled.raw.size:
         if n_end:
-            return eos_only(n, dst_eos_id)
+            return eos_only(len(ids), dst_eos_id)
         raise EmptyCompletionError(EMPTY)
-    text = decoded_text(raw)
+    text = decoded_text(spelled.raw)
     dst_list = encoders.ids_one(text)
     if dst.exact:
         dst_flat = array("I")
         dst_flat.fromlist(dst_list)  # faster than array("I", dst_list)
-        shift, dst_ids, _, ok, src_group, dst_group, src_at, dst_at, chars, n_dst, inexact = kernels.align_one(
+        shift, ok, inexact, m, g_count, ints, n_dst = kernels.align_one(
             dst_flat, n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record, dst.inline, dst.blob,
-            dst.strips_leading_space, spelled.raw, spelled.byte_firsts, spelled.bounds,
+            dst.strips_leading_space, spelled.raw, spelled.bounds,
         )
-        if shift[0] >= 0:
+        if shift >= 0:
             assert ok, "every cut opens a group on both sides"
-            for array_ in (dst_ids, src_group, dst_group, src_at, dst_at, chars, n_dst):
-                array_.setflags(write=False)  # shared with the cache
-            span = SpanAlignment(src_group, dst_group, Groups(src_at, dst_at, chars), float(inexact[0]) / len(text))
-            return Aligned(text, dst_ids, span, n_dst, bool(n_end))
-    source = Source(np.asarray(ids, dtype=np.int64), n_end, raw, spelled.drop, text)
+            return _unpacked(text, ints, n_dst, m, len(ids), g_count + 1, inexact, n_end)
+    source = Source(np.asarray(ids, dtype=np.int64), n_end, spelled.raw.tobytes(), spelled.drop, text)
     return aligned_by_offsets(src, dst, encoders.full, source, dst_list, dst_eos_id)
+
+
+def _unpacked(text: str, ints: np.ndarray, n_dst: np.ndarray, m: int, n: int, g1: int, inexact: int, n_end: int) -> Aligned:
+    """The `Aligned` of `kernels.align_one`'s packed arrays: read-only views (shared with the cache), made
+    read-only once, on the buffer, so every view is."""
+    ints.setflags(write=False)
+    n_dst.setflags(write=False)
+    g = 2 * m + n
+    groups = Groups(ints[g : g + g1], ints[g + g1 : g + 2 * g1], ints[g + 2 * g1 :])
+    span = SpanAlignment(ints[2 * m : g], ints[m : 2 * m], groups, inexact / len(text))
+    return Aligned(text, ints[:m], span, n_dst, bool(n_end))
