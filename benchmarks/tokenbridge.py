@@ -12,16 +12,19 @@ times, interleaved (so machine contention hits both alike):
 - batched: `Bridge(src, dst, cache_size=0).batch(ids, logprobs)` on K completions at once (the
   learner's ingest, several peer experiences waiting; K = 8, a prompt's group), against the
   destination's own batch encode of the same K texts, `encode_batch(texts, add_special_tokens=False)`
-  (both use every core); batch by batch.
+  on every core (the bridge's batch encode uses every core too, or, where it encodes with tiktoken,
+  one core, text after text); batch by batch.
 
 Each text's (batch's) time is the minimum over rounds; throughput counts destination tokens. ratio =
 tokens_per_s / encode_only_tokens_per_s, batch_ratio likewise for batches; limit: both >= 0.85.
 Also reported: the median-based ratio, transformers' `dst.encode` throughput, cache-hit throughput,
 the mean residual, and (not gated) `ids_only_ratio` / `batch_ids_only_ratio`: the bridge against the
 fastest call the destination tokenizer offers for a text's ids, `encode_batch_fast` (no offsets) and
-`.ids`, on the tokenizer as the user holds it (the bridge makes the same call on a private copy without
-post-processor, its literal normalizer applied in Python: 3-45% faster still). Last line of stdout:
-one JSON object.
+`.ids`, on the tokenizer as the user holds it; `own_encode_ratio` / `batch_own_encode_ratio`: the bridge
+against the destination encode it makes itself (`dst_encoder`: tiktoken over the destination's vocabulary
+for a byte-level BPE one, `tokenbridge/fastbpe.py`, else the same `tokenizers` call on a private copy
+without post-processor, its literal normalizer applied in Python), what the bridge adds to its encode.
+Last line of stdout: one JSON object.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def bench_batches(bridge: Bridge, backend, completions, logprobs, results, round
     t_bridge = np.full((rounds, len(batches)), np.inf)
     t_encode = np.full((rounds, len(batches)), np.inf)
     t_ids = np.full((rounds, len(batches)), np.inf)
+    t_own = np.full((rounds, len(batches)), np.inf)
     for r in range(rounds):
         for i, (ids, lps, texts) in enumerate(batches):
             if (r + i) % 2:
@@ -125,6 +129,7 @@ def bench_batches(bridge: Bridge, backend, completions, logprobs, results, round
     for r in range(rounds):  # apart, as for single texts
         for i, (_, _, texts) in enumerate(batches):
             t_ids[r, i] = _time(ids_only, texts)
+            t_own[r, i] = _time(bridge._encoders.ids, texts)
     bridge_s, encode_s = t_bridge.min(axis=0).sum(), t_encode.min(axis=0).sum()
     return {
         "batch_size": size,
@@ -132,6 +137,7 @@ def bench_batches(bridge: Bridge, backend, completions, logprobs, results, round
         "batch_encode_tokens_per_s": round(n_dst / encode_s),
         "batch_ratio": round(float(encode_s / bridge_s), 3),
         "batch_ids_only_ratio": round(float(t_ids.min(axis=0).sum() / bridge_s), 3),
+        "batch_own_encode_ratio": round(float(t_own.min(axis=0).sum() / bridge_s), 3),
     }
 
 
@@ -155,10 +161,12 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
     def ids_only(text: str):
         return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
+    own = bridge._encoders  # the destination encode inside the bridge, timed alone: the bridge's own overhead
     t_bridge = np.full((rounds, n_texts), np.inf)
     t_encode = np.full((rounds, n_texts), np.inf)
     t_hf = np.full((rounds, n_texts), np.inf)
     t_ids = np.full((rounds, n_texts), np.inf)
+    t_own = np.full((rounds, n_texts), np.inf)
     for r in range(rounds):
         for i, (ids, lp, text) in enumerate(zip(completions, logprobs, texts)):
             if (r + i) % 2:  # alternate order so neither side always runs first
@@ -171,6 +179,7 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
     for r in range(rounds):  # apart: inside the loop above it changed the gated ratio (by up to 5%, lower)
         for i, text in enumerate(texts):
             t_ids[r, i] = _time(ids_only, text)
+            t_own[r, i] = _time(own.ids_one, text)
     n_dst = sum(len(res.dst_ids) for res in results)
     cached = Bridge(src, dst, cache_size=n_texts)
     for ids, lp in zip(completions, logprobs):
@@ -188,6 +197,8 @@ def bench_pair(src_name: str, dst_name: str, cache_dir: str | None, n_texts: int
         "median_ratio": round(median_ratio, 3),
         "hf_encode_tokens_per_s": round(n_dst / t_hf.min(axis=0).sum()),
         "ids_only_ratio": round(float(t_ids.min(axis=0).sum() / bridge_s), 3),
+        "dst_encoder": "tiktoken" if own.fast is not None else "tokenizers",
+        "own_encode_ratio": round(float(t_own.min(axis=0).sum() / bridge_s), 3),
         "cached_tokens_per_s": round(n_dst / t_cached),
         "mean_residual": round(float(np.mean([res.residual for res in results])), 4),
         "cache_hits": cached.stats.cache_hits,
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"  | batched x{row['batch_size']} {row['batch_tokens_per_s']:>9,} tok/s"
             f"  encode_batch {row['batch_encode_tokens_per_s']:>9,} tok/s  ratio {row['batch_ratio']:.3f}"
             f"  | vs ids only {row['ids_only_ratio']:.3f} / {row['batch_ids_only_ratio']:.3f}"
+            f"  | vs own encode ({row['dst_encoder']}) {row['own_encode_ratio']:.3f} / {row['batch_own_encode_ratio']:.3f}"
         )
     worst = min(row["ratio"] for row in pairs.values())
     worst_batch = min(row["batch_ratio"] for row in pairs.values())

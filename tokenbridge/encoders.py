@@ -21,6 +21,7 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
+from tokenbridge.fastbpe import tiktoken_ids
 from tokenbridge.profile import PROBE_TEXTS, VocabProfile
 
 CHECK_TEXTS = PROBE_TEXTS + (" x", "  x", "\u2581x", "x \u2581 y", "", "caf\u00e9 na\u00efve \u00c5 \ufb01 \ud55c\uad6d\uc5b4 \u1e69")
@@ -29,16 +30,20 @@ CHECK_TEXTS = PROBE_TEXTS + (" x", "  x", "\u2581x", "x \u2581 y", "", "caf\u00e
 @dataclass(frozen=True, eq=False)
 class Encoders:
     """`full` encodes any text as the destination does (and gives offsets, for the slow paths);
-    `plain(normalize(text))` gives the same ids faster, for every text that `plain_ok` accepts."""
+    `plain(normalize(text))` gives the same ids faster, for every text that `plain_ok` accepts, and
+    `fast(normalize(text))` (where not None: `fastbpe.py`) faster still."""
 
     full: Tokenizer
     plain: Tokenizer
     normalize: Callable[[str], str]
     plain_ok: Callable[[str], bool]
+    fast: Callable[[str], list[int]] | None = None
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         """The destination's ids of each text, without special tokens: one batch encode, no offsets."""
         if all(map(self.plain_ok, texts)):
+            if self.fast is not None:  # one text after another, at four times `tokenizers`' speed a core
+                return [self.fast(self.normalize(text)) for text in texts]
             encodings = self.plain.encode_batch_fast([self.normalize(text) for text in texts], add_special_tokens=False)
         else:
             encodings = self.full.encode_batch_fast(texts, add_special_tokens=False)
@@ -47,6 +52,8 @@ class Encoders:
     def ids_one(self, text: str) -> list[int]:
         """`ids` of one text."""
         if self.plain_ok(text):
+            if self.fast is not None:
+                return self.fast(self.normalize(text))
             return self.plain.encode_batch_fast([self.normalize(text)], add_special_tokens=False)[0].ids
         return self.full.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
@@ -59,8 +66,10 @@ def encoders_for(backend: Tokenizer, profile: VocabProfile) -> Encoders:
     encoders = _ENCODERS.get(profile.fingerprint)
     if encoders is None:
         full = _private_copy(backend)
-        plain, normalize, plain_ok = _without_normalizer(full)
-        encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize, plain_ok)
+        config = json.loads(full.to_str())
+        plain, normalize, plain_ok = _without_normalizer(full, config)
+        fast = tiktoken_ids(config, profile.token_bytes, plain, CHECK_TEXTS)
+        encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize, plain_ok, fast)
     return encoders
 
 
@@ -76,10 +85,9 @@ def _private_copy(backend: Tokenizer) -> Tokenizer:
     return encoder
 
 
-def _without_normalizer(full: Tokenizer) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
+def _without_normalizer(full: Tokenizer, config: dict) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
     """(plain, normalize, plain_ok): a copy without the normalizer, what it did in Python, and the texts
-    for which that holds; when the probes agree. Else (full, identity, always)."""
-    config = json.loads(full.to_str())
+    for which that holds; when the probes agree. Else (full, identity, always). config: full's, as a dict."""
     normalizer = config.get("normalizer")
     if normalizer == {"type": "NFC"}:
         normalize, plain_ok = _identity, partial(unicodedata.is_normalized, "NFC")
@@ -87,8 +95,7 @@ def _without_normalizer(full: Tokenizer) -> tuple[Tokenizer, Callable[[str], str
         normalize, plain_ok = _literal_normalizer(normalizer), _always
     if normalize is None or normalizer is None:
         return full, _identity, _always
-    config["normalizer"] = None
-    plain = Tokenizer.from_str(json.dumps(config))
+    plain = Tokenizer.from_str(json.dumps({**config, "normalizer": None}))
     plain.encode_special_tokens = True
     texts = [text for text in CHECK_TEXTS if plain_ok(text)]
     if _probe_ids(plain, texts, normalize) != _probe_ids(full, texts):
