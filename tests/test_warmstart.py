@@ -9,9 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from engine.config import load_run_config
 from engine.prep.evaluation import EvalResult, evaluate
-from engine.prep.prepare import CoresLeft, PrepPlan
 from engine.config.schema import WarmStartConfig
 from engine.prep.warmstart import WarmStartReport, _batch, warm_start, warm_start_path
 from policies.backend import HFBackend
@@ -21,7 +19,6 @@ from tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from tasks.countdown import CountdownConfig, CountdownTask
 from test_models_fixtures import pad_id, real_tokenizer, tiny_spec
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK = WarmStartConfig(steps=15, batch_size=16, lr=3e-3, warmup_steps=2, seed=1)
 
 
@@ -156,36 +153,3 @@ def test_evaluation_says_where_it_is(capsys) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert lines == [l for l in lines if l.startswith("eval gpt2 final (held-out): ")] and len(lines) == 2
     assert "16/40 problems, accuracy so far 0.000" in lines[0] and "left" in lines[0]
-
-
-def test_the_last_warm_start_takes_the_threads_of_the_others_once_they_are_done(tmp_path: Path) -> None:
-    """Three preps of one thread each on two cores: the last one running gets both, not before."""
-    cfg = load_run_config(str(ROOT / "configs/smoke.toml"), [])
-    others = [tmp_path / ".prep-a.json", tmp_path / ".prep-b.json"]
-    plan = PrepPlan(config=cfg, model_index=0, cache_dir=str(tmp_path), result_path=str(tmp_path / ".prep-me.json"),
-                    threads=1, sibling_paths=tuple(map(str, others)))
-    kept = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        widen = CoresLeft(plan, cores=2)
-        widen()
-        assert torch.get_num_threads() == 1
-        others[0].write_text("{}")
-        widen()
-        assert torch.get_num_threads() == 1  # two still share the two cores
-        others[1].write_text("{}")
-        widen()
-        assert torch.get_num_threads() == 2
-        widen()  # and it stays so
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(kept)
-
-
-def test_a_warm_start_calls_between_steps_after_every_step(tmp_path: Path) -> None:
-    spec = tiny_spec("gpt2")
-    tokenizer = real_tokenizer(spec.tokenizer)
-    calls = []
-    warm_start(spec, tokenizer, CountdownTask(CountdownConfig()), msgspec.structs.replace(QUICK, steps=4), tmp_path,
-               progress=False, between_steps=lambda: calls.append(torch.get_num_threads()))
-    assert len(calls) == 4

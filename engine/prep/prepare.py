@@ -34,8 +34,6 @@ class PrepPlan(msgspec.Struct, frozen=True):
     cache_dir: str
     result_path: str  # where the child writes its PrepResult
     progress: bool = True
-    threads: int = 1  # torch threads while every model's warm start runs
-    sibling_paths: tuple[str, ...] = ()  # the other models' result paths: written when they are done
 
 
 class PrepResult(msgspec.Struct, frozen=True):
@@ -51,14 +49,14 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
     (so a signal handler can stop them)."""
     cache = cache_root(cfg)
     cache.mkdir(parents=True, exist_ok=True)
-    paths = [run_dir / f".prep-{m.name}.json" for m in cfg.models]
-    threads = cfg.pool.threads_per_worker
-    for i, (m, path) in enumerate(zip(cfg.models, paths)):
+    paths = []
+    for i, m in enumerate(cfg.models):
+        path = run_dir / f".prep-{m.name}.json"
         plan = PrepPlan(config=cfg, model_index=i, cache_dir=str(cache), result_path=str(path),
-                        progress=sys.stderr.isatty(), threads=threads,
-                        sibling_paths=tuple(str(other) for other in paths if other != path))
+                        progress=sys.stderr.isatty())
         running.append(actors.spawn(f"prep-{m.name}", "engine.prep.prepare:prepare_model",
-                                    msgspec.msgpack.encode(plan), threads=threads))
+                                    msgspec.msgpack.encode(plan), threads=cfg.pool.threads_per_worker))
+        paths.append(path)
     print(f"warm start + held-out eval of {len(paths)} models (cached under {cache} after the first run) ...",
           flush=True)
     mine = list(running)
@@ -83,39 +81,13 @@ def prepare_model(payload: bytes) -> int:
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
-    widen = CoresLeft(plan)
-    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress, between_steps=widen)
-    widen()
+    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress)
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
                         eval_n=n)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
-
-
-class CoresLeft:
-    """Called between warm-start steps: once other models' preps are done, this one takes their threads.
-
-    The models' warm starts share the cores, one share each, and rarely end together (on the smoke config
-    one model often runs minutes after the other); a tiny model's step runs about 1.5x faster on two
-    threads than on one, so the last warm start finishes sooner on the cores the others left."""
-
-    def __init__(self, plan: PrepPlan, cores: int | None = None) -> None:
-        self.threads, self.siblings = plan.threads, [Path(p) for p in plan.sibling_paths]
-        self.budget = min(plan.threads * (1 + len(self.siblings)), cores or len(os.sched_getaffinity(0)))
-        self.now = plan.threads
-
-    def __call__(self) -> None:
-        if not self.siblings:
-            return
-        self.siblings = [p for p in self.siblings if not p.exists()]
-        wanted = max(self.threads, self.budget // (1 + len(self.siblings)))
-        if wanted > self.now:
-            import torch
-
-            torch.set_num_threads(wanted)
-            self.now = wanted
 
 
 def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path,

@@ -13,8 +13,6 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable
-
 import msgspec
 import torch
 from rich.console import Console
@@ -73,11 +71,9 @@ def warm_start(
     config: WarmStartConfig,
     cache_dir: str | Path,
     progress: bool = True,
-    between_steps: Callable[[], None] | None = None,
 ) -> PreTrainedModel:
     """The warm-started policy: loaded from `cache_dir` if trained before, else trained and cached
-    (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report). `between_steps`,
-    if given, is called after every training step (`prepare.CoresLeft`)."""
+    (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
     path = warm_start_path(spec, tokenizer, task, config, cache_dir)
     if path.is_dir():
         try:
@@ -85,7 +81,7 @@ def warm_start(
         except ModelLoadError as exc:
             log.warning("retraining: cached warm start is unusable: %s", exc)
     model = build_policy(spec, tokenizer, seed=config.seed)
-    report = train_on_solutions(model, spec, tokenizer, task, config, progress, between_steps)
+    report = train_on_solutions(model, spec, tokenizer, task, config, progress)
     save_policy(model, tokenizer, path, extra_files={"warmstart.json": msgspec.json.encode(report)})
     return model.eval()
 
@@ -97,7 +93,6 @@ def train_on_solutions(
     task: Task,
     config: WarmStartConfig,
     progress: bool = True,
-    between_steps: Callable[[], None] | None = None,
 ) -> WarmStartReport:
     """Supervised steps on worked solutions (NLL of the completion tokens, EOS included)."""
     optimizer = adamw(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -116,8 +111,6 @@ def train_on_solutions(
             scheduler.step()
             step, loss_value = step + 1, loss.item()
             bar.update(bar_task, advance=1, loss=loss_value)
-            if between_steps is not None:
-                between_steps()
             if config.stop_accuracy is not None and step % config.check_every == 0:
                 accuracy = _train_accuracy(model, spec, tokenizer, task, config)
                 bar.update(bar_task, accuracy=f"{accuracy:.2f}")
