@@ -26,14 +26,10 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     if session.config.option.collectonly or not any("engine_cache" in getattr(item, "fixturenames", ())
                                                    for item in session.items):
         return
-    kept = os.environ.get("MUTUAL_RL_TEST_CACHE")
-    cache = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="mutual_rl_cache-"))
-    cache.mkdir(parents=True, exist_ok=True)
-    session.config.stash[_WARM_CACHE] = cache
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the warm start's progress lines show as it goes
         try:
-            _warm_starts(cache, Path(tempfile.mkdtemp(prefix="mutual_rl_warm_starts-")))
+            _warm_cache(session.config)
         except Exception as exc:  # noqa: BLE001 (one line, not a traceback per engine test)
             pytest.exit(f"the smoke warm starts failed, so no engine test can run: {exc}", returncode=1)
 
@@ -48,20 +44,28 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def engine_cache(request: pytest.FixtureRequest) -> Path:
     """The cache holding the smoke config's warm starts (made before the first test, see above): a fresh
     one per session (CI); MUTUAL_RL_TEST_CACHE=DIR keeps one across sessions while developing."""
-    cache = request.config.stash.get(_WARM_CACHE, None)
-    if cache is None:  # requested though no collected test named it (getfixturevalue): make them now
-        cache = Path(tempfile.mkdtemp(prefix="mutual_rl_cache-"))
-        request.config.stash[_WARM_CACHE] = cache
-        _warm_starts(cache, Path(tempfile.mkdtemp(prefix="mutual_rl_warm_starts-")))
+    return _warm_cache(request.config)
+
+
+def _warm_cache(config: pytest.Config) -> Path:
+    """The session's warm-start cache, made on the first call (later calls return it)."""
+    cache = config.stash.get(_WARM_CACHE, None)
+    if cache is None:
+        kept = os.environ.get("MUTUAL_RL_TEST_CACHE")
+        cache = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="mutual_rl_cache-"))
+        cache.mkdir(parents=True, exist_ok=True)
+        config.stash[_WARM_CACHE] = cache
+        _warm_starts(cache)
     return cache
 
 
-def _warm_starts(cache: Path, scratch: Path) -> None:
+def _warm_starts(cache: Path) -> None:
     from engine.config import load_run_config
     from engine.prep.prepare import prepare_all
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_run_config(str(root / "configs/smoke.toml"), [f"run.cache_dir='{cache}'"])
+    scratch = Path(tempfile.mkdtemp(prefix="mutual_rl_warm_starts-"))
     running: list = []
 
     async def bounded() -> None:
