@@ -35,10 +35,13 @@ def reference_ids(enc, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in enc.plain.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-def test_byte_level_destinations_get_the_fast_encode_and_sentencepiece_keeps_its_own(encoders):
-    assert encoders["gpt2"][1].fast is not None
-    assert encoders["qwen2"][1].fast is not None
-    assert encoders["mistral"][1].fast is None
+def test_byte_level_destinations_get_this_encode_and_sentencepiece_is_refused_it(encoders):
+    """Mistral's SentencePiece BPE has an encode of its own (tests/test_tokenbridge_fastspm.py)."""
+    for name, expected in (("gpt2", True), ("qwen2", True), ("mistral", False)):
+        tok, enc = encoders[name]
+        config = json.loads(enc.full.to_str())
+        assert (tiktoken_ids(config, profile_of(tok).token_bytes, enc.plain, CHECK_TEXTS) is not None) is expected
+        assert enc.fast is not None
 
 
 @pytest.mark.slow
