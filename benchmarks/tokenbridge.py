@@ -22,8 +22,9 @@ the mean residual, and (not gated) `ids_only_ratio` / `batch_ids_only_ratio`: th
 fastest call the destination tokenizer offers for a text's ids, `encode_batch_fast` (no offsets) and
 `.ids`, on the tokenizer as the user holds it; `own_encode_ratio` / `batch_own_encode_ratio`: the bridge
 against the destination encode it makes itself (`dst_encoder`: tiktoken over the destination's vocabulary
-for a byte-level BPE one, `tokenbridge/fastbpe.py`, else the same `tokenizers` call on a private copy
-without post-processor, its literal normalizer applied in Python), what the bridge adds to its encode.
+where checked to give its ids: `tokenbridge/fastbpe.py` for a byte-level BPE, `tokenbridge/fastspm.py` for
+a SentencePiece BPE; else the same `tokenizers` call on a private copy without post-processor, its literal
+normalizer applied in Python), what the bridge adds to its encode.
 Last line of stdout: one JSON object.
 """
 
