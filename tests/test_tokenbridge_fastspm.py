@@ -14,6 +14,7 @@ import pytest
 from tokenbridge import Bridge, load_tokenizer
 from tokenbridge.encoders import CHECK_TEXTS, encoders_for
 from tokenbridge.fastspm import sentencepiece_ids
+from tokenbridge.loading import _build_mistral, _package_file
 from tokenbridge.profile import profile_of
 
 EDGES = (
@@ -120,3 +121,19 @@ def test_a_destination_outside_the_conditions_keeps_the_tokenizers_encode(mistra
     else:
         model["dropout"] = 0.1
     assert sentencepiece_ids(config, token_bytes, enc.full, CHECK_TEXTS) is None
+
+
+@pytest.mark.parametrize("model_file, fast", [
+    ("mistral_instruct_tokenizer_240216.model.v2", True),  # 32768 pieces, 771 control tokens
+    ("mistral_instruct_tokenizer_240323.model.v3", False),  # a Split pre-tokenizer for its [REFERENCE_DOC_n] symbols
+])
+def test_other_sentencepiece_vocabularies_get_the_encode_where_it_holds(model_file, fast):
+    """Mistral's later SentencePiece models (shipped in mistral-common), converted as load_tokenizer converts v1."""
+    tok = _build_mistral({"model": _package_file("mistral_common", "data", model_file)})
+    enc = encoders_for(tok.backend_tokenizer, profile_of(tok))
+    assert (enc.fast is not None) is fast
+    if fast:
+        pieces = [raw.decode("utf-8", "ignore") for raw in profile_of(tok).token_bytes if raw]
+        rng = random.Random(1)
+        joins = ["".join(rng.choice(pieces) for _ in range(rng.randint(2, 6))) for _ in range(10_000)]
+        assert not wrong_texts(enc, pieces + joins + list(EDGES))
