@@ -93,13 +93,17 @@ def _plain_bpe(config: dict, model: dict) -> bool:
 def _merges_in_rank_order(model: dict, ranked: set[int]) -> bool:
     """Whether each merge's result is a ranked token whose id never falls along the merge list."""
     vocab, last = model["vocab"], -1
-    for merge in model.get("merges", ()):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+    for left, right in merge_pairs(model):
         rank = vocab.get(left + right)
         if rank is None or rank < last or rank not in ranked:
             return False
         last = rank
     return True
+
+
+def merge_pairs(model: dict) -> list[tuple[str, str]]:
+    """The model's merges as (left, right) pairs, in list order (tokenizer.json writes "left right" or a pair)."""
+    return [tuple(merge.split(" ", 1)) if isinstance(merge, str) else tuple(merge) for merge in model.get("merges", ())]
 
 
 def _text(raw: bytes) -> str:

@@ -27,6 +27,8 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
+from tokenbridge.fastbpe import merge_pairs
+
 WORDS = r" *[^ ]+| +"  # in the text as tiktoken sees it: a word is its leading spaces and what follows
 SPACE = "\u2581"
 PARTIAL = -1  # the id of a rank that stands for a prefix of a character: spelled out as byte tokens
@@ -90,16 +92,17 @@ def _rank_table(model: dict, token_bytes: tuple[bytes, ...]) -> tuple[dict[bytes
     """(ranks, id of each rank, the byte ids of each prefix rank) as the module doc orders them; None where
     the vocabulary breaks a condition."""
     vocab: dict[str, int] = model["vocab"]
+    pairs = merge_pairs(model)
+    first_merge: dict[str, int] = {}
+    for at, (left, right) in enumerate(pairs):
+        first_merge.setdefault(left + right, at)
+    pieces = {piece: i for piece, i in vocab.items() if piece in first_merge and len(piece) > 1}
     byte_ids = {int(piece[3:5], 16): i for piece, i in vocab.items() if len(piece) == 6 and piece.startswith("<0x")
                 and piece.endswith(">")}
     chars = {token_bytes[i]: i for piece, i in vocab.items() if len(piece) == 1}
-    first_merge: dict[str, int] = {}
-    for at, merge in enumerate(model.get("merges", ())):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        first_merge.setdefault(left + right, at)
-    pieces = {piece: i for piece, i in vocab.items() if piece in first_merge and len(piece) > 1}
     if (len(byte_ids) != 256 or any(" " in piece for piece in vocab) or any(SPACE in p.lstrip(SPACE) for p in pieces)
-            or len(chars) != sum(len(piece) == 1 for piece in vocab)):
+            or len(chars) != sum(len(piece) == 1 for piece in vocab)  # two characters spelled alike
+            or not _merges_grouped(pairs, first_merge) or not _every_split_merges(pairs, pieces, vocab)):
         return None
     ranks: dict[bytes, int] = {}
     ids_of_rank: list[int] = []
@@ -120,17 +123,14 @@ def _rank_table(model: dict, token_bytes: tuple[bytes, ...]) -> tuple[dict[bytes
         if token_bytes[token_id] in ranks:
             return None
         add(token_bytes[token_id], token_id)
-    if not _merges_grouped(model, first_merge) or not _every_split_merges(model, pieces, vocab):
-        return None
     spelled_out = {ranks[raw]: tuple(byte_ids[byte] for byte in raw) for raw in prefixes}
     return ranks, ids_of_rank, spelled_out
 
 
-def _merges_grouped(model: dict, first_merge: dict[str, int]) -> bool:
+def _merges_grouped(pairs: list[tuple[str, str]], first_merge: dict[str, int]) -> bool:
     """Whether each piece's merges come together on the list (a piece's rank is its first merge)."""
     last = -1
-    for merge in model.get("merges", ()):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+    for left, right in pairs:
         at = first_merge[left + right]
         if at < last:
             return False
@@ -138,9 +138,9 @@ def _merges_grouped(model: dict, first_merge: dict[str, int]) -> bool:
     return True
 
 
-def _every_split_merges(model: dict, pieces: dict[str, int], vocab: dict[str, int]) -> bool:
+def _every_split_merges(pairs: list[tuple[str, str]], pieces: dict[str, int], vocab: dict[str, int]) -> bool:
     """Whether every split of every piece into two pieces that merges can reach is a merge on the list."""
-    listed = {tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", ())}
+    listed = set(pairs)
     parts = {piece for piece in vocab if len(piece) == 1} | pieces.keys()
     return all((piece[:k], piece[k:]) in listed for piece in pieces for k in range(1, len(piece))
                if piece[:k] in parts and piece[k:] in parts)
