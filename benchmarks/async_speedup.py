@@ -61,7 +61,7 @@ def run_once(mode: str, steps: int, config: Path, extra: list[str], threads: int
     run_dir = config.parent / f"{config.stem}-{mode}-{threads}t"
     args = [sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config),
             "--run-dir", str(run_dir), "--set", f"run.mode={mode}", "--set", f"train.steps={steps}",
-            "--set", "eval.every_steps=0", "--set", "run.max_minutes=30", "--set", "eval.num_problems=20",
+            "--set", "eval.every_steps=0", "--set", "run.max_minutes=30", "--set", "eval.num_problems=18",
             "--set", f"pool.threads_per_worker={threads}"]
     for item in extra:
         args += ["--set", item]

@@ -14,10 +14,16 @@ width 896, 14 heads, 2 KV heads, MLP 4864, tied embeddings) sized to the real Qw
 - weight sync: one learner -> generator sync (``load_state_dict`` of the learner's tensors
   into the bf16 generator, same GPU, no disk) in seconds and GB/s, against a device-to-device
   copy of the same bytes (``sync_ratio`` = copy_s / sync_s; target >= 0.3);
+- sharded learner: the engine's FSDP2 twin (``train.sharding = "fsdp2"``, bf16 compute) at world 1 over
+  NCCL, stepping the same batch (``sharded_tokens_per_s``; any error fails ``ok``);
 - role-switch memory: the generator backend's device bytes before, after ``release_memory``
   and after ``resume_memory``; then ``benchmarks.pool_gpu_check`` (the engine's own role
-  switches) and ``benchmarks.async_speedup --quick --set pool.device=cuda``, each in a
-  subprocess with a time-out, their last JSON line kept.
+  switches, and the weight channel between GPU processes) and ``benchmarks.async_speedup --quick
+  --set pool.device=cuda`` (a generator and a learner process on the GPU), each in a subprocess with a
+  time-out, their last JSON line kept.
+
+On the lent GPU machine (Python 3.12, its own torch and transformers, no network) it runs from an offline
+wheelhouse built here: ``python -m benchmarks.gpu_wheelhouse``, then ``bash benchmarks/gpu_check.sh`` there.
 
 The last line is one JSON object; ``ok`` if generation, sync and release reach their targets.
 Exit 0 when ok, 1 when not. Without CUDA (and without ``--device cpu``) it prints one line
@@ -95,38 +101,48 @@ def _bare_loop(backend, prompts: list[list[int]], new: int, device) -> float:
     """The same model, batch and static cache: prefill, then one argmax token per step, nothing else."""
     from transformers import StaticCache
 
+    from policies.backend import cache_kwargs
+
     ids = torch.tensor(prompts, device=device)
     cache = StaticCache(config=backend.model.config, max_cache_len=ids.shape[1] + new)
     _sync(device)
     started = time.perf_counter()
-    out = backend.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    out = backend.model(input_ids=ids, **cache_kwargs(backend.model, cache), logits_to_keep=1)
     for _ in range(new):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        out = backend.model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+        out = backend.model(input_ids=nxt, **cache_kwargs(backend.model, cache), logits_to_keep=1)
     _sync(device)
     return time.perf_counter() - started
 
 
-def measure_learner(model, tokenizer, device, sizes: dict) -> tuple[dict, torch.nn.Module]:
+def _learner_batch(tokenizer, sizes: dict):
+    """One step's own samples (random tokens, half rewarded), its StepData and the GRPO objective."""
     import msgspec
     import numpy as np
 
     from engine.train import group as dp
     from engine.train.batching import OwnSample
-    from engine.train.optim import adamw
-    from engine.train.step import train_share
-    from policies.models import pad_token_id
     from policies.objectives import ObjectiveConfig
 
-    learner = model.float().to(device).train()
-    state = dp.TrainState(learner, adamw(learner.parameters(), lr=1e-6), torch.Generator().manual_seed(0))
-    objective = msgspec.convert({"kind": "grpo"}, ObjectiveConfig)
     rng = np.random.default_rng(0)
     B, P, C = sizes["train_batch"], sizes["prompt_len"], sizes["completion_len"]
     own = [OwnSample(prompt_ids=rng.integers(0, len(tokenizer), P), completion_ids=rng.integers(0, len(tokenizer), C),
                      behaviour_logprobs=np.full(C, -12.0, np.float32), reward=float(i % 2), verified=bool(i % 2),
                      weight_version=0, prompt_id=i // 4) for i in range(B)]
     data = dp.StepData(sorted({s.prompt_id for s in own}), own, [], {}, 0)
+    return own, data, msgspec.convert({"kind": "grpo"}, ObjectiveConfig)
+
+
+def measure_learner(model, tokenizer, device, sizes: dict) -> tuple[dict, torch.nn.Module]:
+    from engine.train import group as dp
+    from engine.train.optim import adamw
+    from engine.train.step import train_share
+    from policies.models import pad_token_id
+
+    learner = model.float().to(device).train()
+    state = dp.TrainState(learner, adamw(learner.parameters(), lr=1e-6), torch.Generator().manual_seed(0))
+    own, data, objective = _learner_batch(tokenizer, sizes)
+    B, P, C = sizes["train_batch"], sizes["prompt_len"], sizes["completion_len"]
     times = []
     for step in range(sizes["train_steps"] + 1):  # the first is warm-up
         _sync(device)
@@ -140,6 +156,42 @@ def measure_learner(model, tokenizer, device, sizes: dict) -> tuple[dict, torch.
     step_s = min(times[1:])
     return {"learner_tokens_per_step": B * (P + C), "learner_step_s": round(step_s, 3),
             "learner_tokens_per_s": round(B * (P + C) / step_s, 1)}, learner
+
+
+def measure_sharded(model, tokenizer, device, sizes: dict) -> dict:
+    """The engine's FSDP2 learner (``train.sharding = "fsdp2"``, bf16 compute on fp32 masters) at world 1: a
+    group of one over NCCL (gloo on CPU), its ShardedTwin stepping the same batch as ``measure_learner``."""
+    import torch.distributed as dist
+
+    from engine.runtime.rundir import free_port
+    from engine.train import group as dp
+    from engine.train.optim import adamw
+    from engine.train.sharding import ShardedTwin
+    from policies.models import pad_token_id
+
+    own, data, objective = _learner_batch(tokenizer, sizes)
+    model = model.float().to(device).train()
+    state = dp.TrainState(model, adamw(model.parameters(), lr=1e-6), torch.Generator().manual_seed(0))
+    dp.set_nccl_failure_env()
+    dp.join(f"tcp://127.0.0.1:{free_port()}", 0, 1, 60.0, "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    try:
+        twin = ShardedTwin(state, True, device, (0.9, 0.999), 1, False, bf16=device.type == "cuda")
+        times = []
+        for _ in range(sizes["train_steps"] + 1):  # the first is warm-up
+            _sync(device)
+            started = time.perf_counter()
+            twin.step(data, own, [], 0, 1, objective, pad_token_id(tokenizer), 1.0, 1e-6)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+            for s in own:
+                s.weight_version = state.version
+        twin.close()
+    finally:
+        dist.destroy_process_group()
+    step_s = min(times[1:])
+    tokens = sizes["train_batch"] * (sizes["prompt_len"] + sizes["completion_len"])
+    return {"sharded_step_s": round(step_s, 3), "sharded_tokens_per_s": round(tokens / step_s, 1),
+            "sharded_version": state.version}
 
 
 def measure_sync(learner, backend, device) -> dict:
@@ -181,6 +233,14 @@ def measure_release(backend, device) -> dict:
             "release_bytes_after_resume": resumed, "release_ok": ok}
 
 
+def _guarded(name: str, measure, *args) -> dict:
+    """``measure(*args)``, or what stopped it: one failure must not hide the other figures of the check."""
+    try:
+        return measure(*args)
+    except Exception as exc:  # noqa: BLE001  reported in the JSON, and it fails ``ok``
+        return {f"{name}_error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
 def subrun(module: str, args: list[str], timeout_s: float) -> dict:
     """Another benchmark in a subprocess; its last JSON line, or why there is none."""
     started = time.time()
@@ -215,13 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     learner, learner_model = measure_learner(learner_model, tokenizer, device, sizes)
     out.update(gen, **learner, **measure_sync(learner_model, backend, device), **measure_release(backend, device))
     del learner_model, backend, model
+    out.update(_guarded("sharded", measure_sharded, build(args.tiny)[0], tokenizer, device, sizes))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.no_subruns:
         out["pool_gpu_check"] = subrun("benchmarks.pool_gpu_check", ["--device", args.device, "--steps", "13"], 200)
         out["async_speedup"] = subrun("benchmarks.async_speedup", ["--quick", "--set", f"pool.device={args.device}"], 150)
     out["targets"] = {"gen_ratio": GEN_TARGET, "sync_ratio": SYNC_TARGET}
-    out["ok"] = out["gen_ratio"] >= GEN_TARGET and out["sync_ratio"] >= SYNC_TARGET and out["release_ok"]
+    out["ok"] = (out["gen_ratio"] >= GEN_TARGET and out["sync_ratio"] >= SYNC_TARGET and out["release_ok"]
+                 and "sharded_error" not in out)
     out["wall_s"] = round(time.time() - started, 1)
     print(json.dumps(out))
     return 0 if out["ok"] else 1

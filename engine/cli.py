@@ -60,7 +60,7 @@ def preflight(cfg) -> None:
             if problem := lora_problem(skeleton(model_spec(m), tok), m.lora):
                 raise ConfigError(f"models.{i}.lora: {problem}")
         if m.generation.backend == "sglang" and m.generation.sglang_url:
-            if problem := _unreachable(m.generation.sglang_url):
+            if problem := _unreachable(m.generation.sglang_url) or _unservable(m.generation):
                 raise ConfigError(f"models.{i}.generation.sglang_url: {problem}")
     try:
         make_task(cfg.task)
@@ -88,6 +88,16 @@ def _unreachable(url: str, timeout_s: float = 5.0) -> str | None:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         return f"nothing answers at {url} ({reason}); start the sglang server first, or leave sglang_url out"
+
+
+def _unservable(generation) -> str | None:
+    """Why the sglang server at ``generation.sglang_url`` cannot sample this model (its dtype), or None."""
+    from policies.sglang_backend import SGLANG_VERSION, SglangError, SglangHTTP, server_problem
+
+    try:
+        return server_problem(SglangHTTP(generation.sglang_url, timeout_s=5.0).info, generation.dtype)
+    except SglangError as exc:
+        return f"{exc} (is it sglang {SGLANG_VERSION}?)"
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -167,6 +177,9 @@ def train(cfg, run_dir, resume: bool = False, node=None) -> int:
     try:
         code = uvloop.run(Coordinator(cfg, run_dir, resume=resume, node=node).run())
     finally:
+        # every actor has stopped: the fork server has no more work, and its own exit (a second of unloading
+        # torch) would hold the terminal's pipes open after ours
+        _stop_actor_server()
         wandb_sink.finish(sink)
     return finish_with_report(code, run_dir)
 

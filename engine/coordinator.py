@@ -249,7 +249,8 @@ class Coordinator:
         for move in self.allocator.script.due(dict(self.dispatch.steps)):
             await self.apply({move.worker: (move.role, move.model)}, f"scripted move at {move.step_of} step {move.at_step}",
                              by_allocator=False)
-        changes, reason, records = self.allocator.tick(now, self.fresh, dict(self.roster.assignment))
+        leaders = [w for m in self.names if (w := self.roster.leader(m)) is not None]
+        changes, reason, records = self.allocator.tick(now, self.fresh, dict(self.roster.assignment), leaders)
         self.fresh = []
         for record in records:
             self.metrics.write(**record)

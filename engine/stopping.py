@@ -58,6 +58,8 @@ async def shutdown(run) -> None:
     await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker" and a.local], grace)
     if run.nodes is not None:
         await run.nodes.stop(grace)  # every other node stops the workers it runs for us
+    if hasattr(run, "sub"):  # nobody reads our own subscription any more; the broker's stop waits (drain_timeout_s)
+        run.sub.close()  # for every subscriber still listed to answer its Closing: say goodbye first
     if "broker" in run.actors and run.actors["broker"].alive:
         try:
             await asyncio.wait_for(stop_broker(run.pub), grace)
@@ -65,7 +67,7 @@ async def shutdown(run) -> None:
             pass  # stop_all below ends it
     await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name == "broker"], grace)
     await asyncio.to_thread(actors.stop_all, getattr(run, "prep_actors", []), 0.0)
-    for closer in ("sub", "pub", "plane", "metrics", "weights_hub", "relay"):
+    for closer in ("pub", "plane", "metrics", "weights_hub", "relay"):
         if hasattr(run, closer):
             getattr(run, closer).close()
     if getattr(run, "curve", None) is not None:

@@ -34,6 +34,10 @@ def experiment_command(args: argparse.Namespace) -> int:
         missing = _missing_here(runs)
         if missing:
             print("needed on the machine that runs it (absent here): " + "; ".join(missing))
+        problem = _arch_problem(runs)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         return 0
     try:
         _preflight(runs)
@@ -82,6 +86,23 @@ def _missing_here(runs) -> list[str]:
             if not torch.cuda.is_available():
                 missing.append("a CUDA device")
     return list(dict.fromkeys(missing))
+
+
+def _arch_problem(runs) -> str | None:
+    """The first model whose checkpoint, where it is here, is not the ``arch`` its config says (loading it in a
+    run would fail after the run's start), read with transformers' own config loader."""
+    from transformers import AutoConfig
+
+    for r in runs:
+        for m in r.config.models:
+            if m.checkpoint and (Path(m.checkpoint) / "config.json").is_file():
+                try:
+                    found = AutoConfig.from_pretrained(m.checkpoint).model_type
+                except (OSError, ValueError) as exc:
+                    return f"{m.checkpoint}: transformers cannot read its config.json ({exc})"[:300]
+                if found != m.arch:
+                    return f"model {m.name!r}: {m.checkpoint} is a {found!r} model but its arch is {m.arch!r}"
+    return None
 
 
 def write_results(grid, runs, out: Path, command: str) -> list[Path]:

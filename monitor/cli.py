@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import webbrowser
 from pathlib import Path
@@ -129,6 +130,9 @@ async def _serve(args: argparse.Namespace, state, run_dir: Path, tasks: list) ->
     if not args.no_browser and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin"):
         with contextlib.suppress(Exception):
             webbrowser.open(url)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # as the engine's coordinator does: a Ctrl-C, or a kill -INT of a
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)  # monitor a shell started with SIGINT ignored
     async with listening:
-        await listening.serve_forever()
+        await stop.wait()
     return 0

@@ -12,6 +12,7 @@ to the same contract.
 
 from __future__ import annotations
 
+import inspect
 import random
 from typing import Literal, Protocol, runtime_checkable
 
@@ -70,6 +71,17 @@ class GenerationBackend(Protocol):
     def close(self) -> None:
         """The worker is done with this backend (a role switch): stop what it started."""
         ...
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
+    """The KV cache as ``model.forward`` takes it: ``cache=`` from transformers 5.24 on, ``past_key_values=``
+    before. An older forward takes the new name into ``**kwargs`` and drops it without a word, so asking
+    the signature is the only safe way: a cache passed under the wrong name stays empty."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    if name not in params:
+        raise TypeError(f"{type(model).__name__}.forward takes neither cache= nor past_key_values=")
+    return {name: cache, "use_cache": True}
 
 
 def request_rows(prompts: list[list[int]], num_samples: int, temperature: float) -> list[list[int]]:
@@ -177,8 +189,7 @@ class HFBackend:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                cache=cache,
-                use_cache=True,
+                **cache_kwargs(self.model, cache),
                 logits_to_keep=1,
             )
             next_ids, next_lp = self._pick_open(out.logits[:, -1].float(), over, temperature, generator)  # (b,)

@@ -130,7 +130,12 @@ class ObjectiveBatch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in values.items() if isinstance(v, Tensor)})
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field whose shape or range breaks the layout rules."""
+        """Raise ValueError naming the first field whose shape, range or device breaks the layout rules."""
+        for f in dataclasses.fields(self):  # one device: a mixed batch fails deep in a kernel, naming nothing
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.device != self.logp.device:
+                raise ValueError(f"ObjectiveBatch.{f.name} is on {value.device}, logp on {self.logp.device}: "
+                                 f"every tensor of a batch must be on the model's device")
         B, T = _shape2("logp", self.logp)
         for name in ("behav_logp", "prox_logp", "mask", "ref_logp"):
             value = getattr(self, name)

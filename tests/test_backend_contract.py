@@ -3,6 +3,7 @@ and the sglang backend against a local stand-in answering with sglang's document
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import subprocess
@@ -13,7 +14,8 @@ import torch
 
 from policies.backend import BackendReleased, CudaHFBackend, GenerationBackend, HFBackend
 from policies.models import build_policy
-from policies.sglang_backend import SglangBackend, SglangError, SglangHTTP, encode_tensors, sample_from_output
+from policies.sglang_backend import (SglangBackend, SglangError, SglangHTTP, sample_from_output, serialize_tensors,
+                                     sglang_backend)
 from policies.templates import prompt_ids
 from sglang_standin import StandIn
 from test_models_backend import _constant_distribution
@@ -34,7 +36,7 @@ def backend_of(kind: str, model, tokenizer):
     else:
         standin = StandIn(HFBackend(model, eos, pad))
         with standin as url:
-            backend = SglangBackend(SglangHTTP(url, timeout_s=60, serialize=encode_tensors), eos)
+            backend = SglangBackend(SglangHTTP(url, timeout_s=60), eos)  # a deterministic server: seeds hold
             backend.standin = standin  # the tests read the requests it received
             yield backend, model
 
@@ -143,6 +145,58 @@ def test_sglang_requests_follow_the_documented_api(setup) -> None:
     assert len({p["sampling_seed"] for p in params}) == 6, "every row its own seed"
 
 
+def test_the_standin_keeps_sglangs_update_rules_and_the_backend_follows_them() -> None:
+    """sglang 0.5.21's rules, kept by the stand-in: an update only inside a begin/end session, one payload per
+    tensor-parallel rank, a multiprocessing pickle and nothing else; the backend's updates keep them."""
+    tokenizer = real_tokenizer("gpt2")
+    model = build_policy(tiny_spec("gpt2", tie_embeddings=False), tokenizer, seed=0)
+    eos = tokenizer.eos_token_id
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    standin = StandIn(HFBackend(build_policy(tiny_spec("gpt2", tie_embeddings=False), tokenizer, seed=1), eos,
+                                pad_id(tokenizer)), tp_size=2)
+    with standin as url:
+        raw = SglangHTTP(url, timeout_s=60)
+        body = {"serialized_named_tensors": [serialize_tensors(named)] * 2, "weight_version": "1"}
+        with pytest.raises(SglangError, match="must run between begin_weight_update"):
+            raw.request("/update_weights_from_tensor", body)
+        raw.request("/begin_weight_update", {})
+        with pytest.raises(SglangError, match="list index out of range"):  # one payload, two ranks
+            raw.request("/update_weights_from_tensor", {**body, "serialized_named_tensors": body["serialized_named_tensors"][:1]})
+        from safetensors.torch import save
+
+        bytes_payload = base64.b64encode(save(dict(named))).decode()  # plain bytes: sglang cannot unpickle them
+        with pytest.raises(SglangError, match="Failed to update weights"):
+            raw.request("/update_weights_from_tensor", {**body, "serialized_named_tensors": [bytes_payload] * 2})
+        raw.request("/end_weight_update", {})
+        assert standin.backend.version == 0  # nothing was loaded
+        backend = sglang_backend(eos, "float32", url)
+        backend.load_state_dict(dict(named), 3)
+        paths = [p for p, _ in standin.requests[-3:]]
+        assert paths == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+        assert len(standin.requests[-2][1]["serialized_named_tensors"]) == 2  # one per rank
+        assert standin.backend.version == 3 and all(torch.equal(t, standin.backend.model.state_dict()[n])
+                                                    for n, t in named)
+
+
+def test_an_sglang_server_that_would_not_sample_as_asked_is_said_or_refused() -> None:
+    """A server without deterministic inference ignores sampling_seed: none is sent (the backend says it is not
+    seeded). A server whose dtype is not the model's (sglang's "auto" serves float32 checkpoints in float16)
+    is refused in one sentence."""
+    tokenizer = real_tokenizer("gpt2")
+    model = build_policy(tiny_spec("gpt2", tie_embeddings=False), tokenizer, seed=0)
+    eos = tokenizer.eos_token_id
+    standin = StandIn(HFBackend(model, eos, pad_id(tokenizer)), dtype="auto", deterministic=False)
+    with standin as url:
+        with pytest.raises(SglangError, match=r"runs --dtype auto .*float16.*start it with --dtype bfloat16"):
+            sglang_backend(eos, "bfloat16", url)
+        standin.info["dtype"] = "bfloat16"
+        backend = sglang_backend(eos, "bfloat16", url)
+        assert not backend.seeded
+        backend.generate([[eos]], 2, 3, 1.0, seed=4)
+        (body,) = [b for p, b in standin.requests if p == "/generate"]
+        assert all("sampling_seed" not in p for p in body["sampling_params"])
+
+
 def test_sglang_outputs_off_the_documented_shape_are_one_clear_error() -> None:
     ok = {"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-0.1, 2, None]], "finish_reason": {"type": "stop"}}}
     assert sample_from_output(ok, eos_token_id=2).completion_ids == [7, 2]
@@ -153,7 +207,7 @@ def test_sglang_outputs_off_the_documented_shape_are_one_clear_error() -> None:
     with pytest.raises(SglangError, match="not on EOS 3"):
         sample_from_output(ok, eos_token_id=3)
     with pytest.raises(SglangError, match="cannot reach http://127.0.0.1:9"):
-        SglangBackend(SglangHTTP("http://127.0.0.1:9", timeout_s=5), 2).generate([[1]], 1, 1, 0.0)
+        SglangHTTP("http://127.0.0.1:9", timeout_s=5)
 
 
 def test_importing_the_project_never_imports_sglang() -> None:

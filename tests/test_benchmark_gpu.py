@@ -38,3 +38,5 @@ def test_tiny_cpu_run_measures_everything_and_ends_with_one_json_object() -> Non
         assert result[key] > 0, key
     assert result["sync_bytes"] == 4 * result["params"]  # float32 on the CPU: every weight once, tied head once
     assert result["release_bytes_after_resume"] == result["release_bytes_before"] > 0
+    assert "sharded_error" not in result, result.get("sharded_error")  # FSDP2 at world 1 (gloo here, NCCL on a GPU)
+    assert result["sharded_version"] == 3 and result["sharded_tokens_per_s"] > 0  # warm-up + train_steps (2)

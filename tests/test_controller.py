@@ -284,3 +284,20 @@ def test_assign_messages_survive_the_wire():
         back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=Assign)
         assert back == msg and back.reason
     assert isinstance(view_from_stats([], a, 0.0, cfg), ClusterView)
+
+
+def test_a_group_leader_is_never_moved_and_a_joiner_keeps_its_dwell():
+    """Learners of a: w0 leads, w1 joined a second ago. MWRA wants one learner of a fewer: the leader keeps its
+    role (its group's state is its) and the joiner is inside its dwell time, so nobody moves; once the joiner has
+    dwelt, it is the one that moves."""
+    cfg = config(max_move_frac=1.0, cooldown_s=0.0, min_dwell_s=15.0, decision_interval_s=1.0)
+    a = {"w0": (LRN, "a"), "w1": (LRN, "a"), "w2": (GEN, "a"), "w3": (GEN, "b"), "w4": (LRN, "b")}
+    cap = {(GEN, "a"): 1.0, (LRN, "a"): 40.0, (GEN, "b"): 40.0, (LRN, "b"): 40.0}  # a's generators limit the run
+    state = ControllerState(moved_at={"w1": 99.0, "w2": 0.0, "w3": 0.0, "w4": 0.0})
+    view = view_from_stats(stats_for(a, cap, 100.0), a, 100.0, cfg, leaders=["w0", "w4"])
+    d = decide(view, state, cfg)
+    assert "w0" not in d.assignments and "w1" not in d.assignments, d.assignments
+    view = view_from_stats(stats_for(a, cap, 120.0), a, 120.0, cfg, leaders=["w0", "w4"])
+    d = decide(view, d.new_state, cfg)
+    assert d.assignments.get("w1") == (GEN, "a"), (d.assignments, d.reasons)
+    assert "w0" not in d.assignments and "w4" not in d.assignments

@@ -42,12 +42,14 @@ def _nodes(tmp_path, cache, *sets: str, keys: bool = False) -> tuple[Run, Run]:
     return node0, node1
 
 
-@pytest.mark.parametrize("weights", ["channel", "broadcast"])
-def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache, weights):
+def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache):
+    """Weights on the channel, relayed to node 1 by the hub (the cluster's own path). Pair groups between the
+    nodes are the same gloo pairs test_weight_broadcast.py forms on loopback, and the replicated runs over
+    ``pool.weights=broadcast`` (test_engine_pool.py, test_engine_run.py) form them between processes."""
     # workers w0-w2 on node 0, w3-w5 on node 1 (contiguous blocks); MWRA's first split leads both groups on node 1
     # (w4: gpt2, w5: llama), and the script moves w2 of node 0 into gpt2's (as MWRA itself would: gpt2 learns slowest)
     node0, node1 = _nodes(tmp_path, engine_cache, "pool.workers=6", "train.steps=14", "run.max_minutes=4",
-                          f"pool.weights={weights}",
+                          "pool.weights=channel",
                           "pool.costs.1.from_s=20", CONTROLLER, script(("gpt2", 2, "w2", "learner", "gpt2")), keys=True)
     node0.wait_steps(1)  # a person taps the stream with the command node 0 printed (the cluster's keys in it) ...
     tap = node0.out.split("watch the experience stream: python ")[1].splitlines()[0].split()
@@ -73,8 +75,7 @@ def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache,
     node_of = {w: 0 if w in ("w0", "w1", "w2") else 1 for f in result["formations"] for w in f["digests"]}
     assert any({node_of[w] for w in f["digests"]} == {0, 1} for f in result["formations"]), result["formations"]
     # each node generated with versions its learners published (on the other node or its own), only through the hub
-    # (a leader writes no channel itself in a cluster) or the leader's pair groups (broadcast), and a generator's
-    # first weights match the learner's bit for bit
+    # (a leader writes no channel itself in a cluster), and a generator's first weights match the learner's bit for bit
     made_by = collections.defaultdict(set)
     for exp in ExperienceLogReader(node0.run_dir / "experience_log"):
         made_by[exp.experience_id.rsplit("/", 1)[1]].add(exp.weight_version)

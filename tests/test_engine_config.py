@@ -141,7 +141,9 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("generation, named", [
     ("{backend='sglang'}", 'needs pool.device = "cuda"'),
-    ("{backend='sglang', sglang_url='localhost:30000', sglang_tensors='safetensors'}", "not an http(s)://host:port URL"),
+    ("{backend='sglang', sglang_url='localhost:30000'}", "not an http(s)://host:port URL"),
+    ("{backend='sglang', sglang_url='http://127.0.0.1:9', sglang_memory=1.5}", "not a fraction"),
+    ("{backend='sglang', sglang_url='http://127.0.0.1:9', sglang_tensors='safetensors'}", "sglang_tensors"),
     ("{backend='vllm'}", "backend"),
 ])
 def test_launch_refuses_a_generation_backend_it_cannot_run(tmp_path, generation, named):
@@ -162,17 +164,28 @@ def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lor
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
-def test_launch_refuses_an_sglang_url_where_nothing_answers(tmp_path):
+def test_launch_refuses_an_sglang_url_where_nothing_answers_or_the_dtype_is_not_the_models(tmp_path):
     from engine.runtime.rundir import free_port
+    from policies.backend import HFBackend
+    from policies.models import build_policy
+    from sglang_standin import StandIn
+    from test_models_fixtures import real_tokenizer, tiny_spec
+
+    def launch(url: str) -> str:
+        result = _launch("run", "--config", str(SMOKE), "--set", f"models.0.generation={{backend='sglang', "
+                         f"sglang_url='{url}'}}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().count("\n") == 0 and "models.0.generation.sglang_url" in result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+        return result.stderr
 
     url = f"http://127.0.0.1:{free_port()}"
-    result = _launch("run", "--config", str(SMOKE), "--set",
-                     f"models.0.generation={{backend='sglang', sglang_url='{url}', sglang_tensors='safetensors'}}",
-                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "models.0.generation.sglang_url" in result.stderr, result.stderr
-    assert f"nothing answers at {url}" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "run").exists()
+    assert f"nothing answers at {url}" in launch(url)
+    tok = real_tokenizer("gpt2")
+    with StandIn(HFBackend(build_policy(tiny_spec("gpt2"), tok), tok.eos_token_id, tok.eos_token_id),
+                 dtype="auto") as url:  # sglang's default: a float32 warm start would be served in float16
+        said = launch(url)
+    assert "runs --dtype auto" in said and "start it with --dtype bfloat16" in said, said
 
 
 @pytest.mark.parametrize("sets, key, named", [

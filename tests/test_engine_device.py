@@ -102,6 +102,19 @@ def test_batch_to_keeps_values_and_moves_every_tensor_field(tiny):
     assert torch.equal(completion_logprobs(model, packed), direct.gather(1, packed.gather_index) * packed.comp_mask)
 
 
+def test_a_batch_on_two_devices_is_one_clear_error_before_any_kernel(tiny):
+    """Both training paths (one rank's train_share, a sharded group's pieces) take their batch from build_batch,
+    which puts every tensor on the model's device (a meta forward cannot run, so the move itself is checked on
+    the GPU: benchmarks/gpu.py's sharded learner). A batch that still mixes devices is refused by name."""
+    model, pad = tiny
+    own, peers = _samples(model.config.vocab_size)
+    batch = build_batch(model, own, peers, [0, 1], 1, pad, {"peer": 1})
+    batch.validate()  # one device: fine
+    mixed = dataclasses.replace(batch, logp=batch.logp.to("meta"), peer_logp=batch.peer_logp.to("meta"))
+    with pytest.raises(ValueError, match=r"ObjectiveBatch\.behav_logp is on cpu, logp on meta"):
+        mixed.validate()
+
+
 def _old_state_digest(state: dp.TrainState) -> str:
     """state_digest as it was before device placement (CPU tensors only)."""
     h = hashlib.sha256()
@@ -181,3 +194,19 @@ def test_worker_modules_and_published_weights_live_where_they_should(tmp_path):
     assert WeightReader(worker.plan_channel(spec.name), other).load() == 1
     assert dp.params_digest(other) == dp.params_digest(module)
     writer.close()
+
+
+def test_an_sglang_engine_gets_the_models_dtype_and_its_share_of_the_gpu():
+    """sglang.Engine's arguments (not run here: sglang needs CUDA): the model's dtype, never sglang's "auto"
+    (float16 for a float32 warm start); mem_fraction_static split between the workers a GPU holds (round robin:
+    worker_device); no memory saver (a role switch shuts the engine down); sglang_args over all of them."""
+    from engine.roles.generator import workers_on_gpu
+    from policies.sglang_backend import engine_args
+
+    args = engine_args("bfloat16", 7, 1, 0.7 / 2, False)
+    assert args == {"dtype": "bfloat16", "random_seed": 7, "base_gpu_id": 1, "mem_fraction_static": 0.35,
+                    "enable_deterministic_inference": False}
+    assert engine_args("bfloat16", 7, 1, 0.35, True, {"mem_fraction_static": 0.5})["mem_fraction_static"] == 0.5
+    cfg = load_run_config("configs/pool.toml")  # 8 workers on one node
+    gpus = max(torch.cuda.device_count(), 1)
+    assert sum(workers_on_gpu(cfg, g) for g in range(min(gpus, 8))) == cfg.pool.workers_per_node() == 8

@@ -33,10 +33,11 @@ def _bits_exact(result: dict, records: list[dict], worker: str, model: str) -> l
     return used
 
 
-@pytest.mark.parametrize("weights", ["channel", "broadcast"])
-def test_generator_and_learner_rank_reassigned_mid_run(tmp_path, engine_cache, weights):
+def test_generator_and_learner_rank_reassigned_mid_run(tmp_path, engine_cache):
+    """Over pair groups (``pool.weights=broadcast``): a mover's pair groups form and close as it changes role.
+    The same moves on the channel (the default on CPUs): test_role_switches_release_before_they_acquire."""
     # static split in pool-key order: w0,w1 generate gpt2, w2 llama, w3 learns gpt2, w4 llama
-    run = _pool_run(tmp_path, engine_cache, *static_pool(5, 14, (2, 1, 1, 1)), f"pool.weights={weights}",
+    run = _pool_run(tmp_path, engine_cache, *static_pool(5, 14, (2, 1, 1, 1)), "pool.weights=broadcast",
                     script(("gpt2", 3, "w1", "learner", "gpt2"),  # generator -> learner rank
                            ("gpt2", 7, "w1", "generator", "llama")))  # learner rank -> the other model
     assert run.finish() == 0, run.out[-3000:]
@@ -106,8 +107,10 @@ def test_role_switches_release_before_they_acquire(tmp_path, engine_cache):
 
 
 def test_a_silent_peer_is_presumed_gone_and_its_peer_trains_solo(tmp_path, engine_cache):
-    # w0 generates gpt2, w1 llama, w2 learns gpt2, w3 llama; at llama's step 2 it loses its only generator
-    run = _pool_run(tmp_path, engine_cache, *static_pool(4, 40, (1, 1, 1, 1)), "timeouts.peer_silent_s=4",
+    # w0 generates gpt2, w1 llama, w2 learns gpt2, w3 llama; at llama's step 2 it loses its only generator.
+    # gpt2's steps come a second or so apart, a few seconds with the suite's other workers beside it: 8 s of
+    # silence is llama's alone
+    run = _pool_run(tmp_path, engine_cache, *static_pool(4, 40, (1, 1, 1, 1)), "timeouts.peer_silent_s=8",
                     "timeouts.peer_wait_s=1", "train.max_model_lead_steps=2",
                     script(("llama", 2, "w1", "idle", "")))
     assert run.finish() == 1, run.out[-3000:]  # llama could not finish: the run says so
@@ -121,9 +124,11 @@ def test_a_silent_peer_is_presumed_gone_and_its_peer_trains_solo(tmp_path, engin
     assert run.leftover() == []
 
 
-@pytest.mark.parametrize("weights", ["channel", "broadcast"])
-def test_sync_mode_generates_step_k_with_the_weights_of_step_k(tmp_path, engine_cache, weights):
-    run = Run(tmp_path / "run", engine_cache, "run.mode=sync", "train.steps=6", f"pool.weights={weights}")
+def test_sync_mode_generates_step_k_with_the_weights_of_step_k(tmp_path, engine_cache):
+    """On the channel. Sync mode is a dispatch rule, and the generator waits for a unit's version through its weight
+    reader's load(), whichever the path; that load() over pair groups returns each version bit for bit is
+    test_weight_broadcast.py's first test."""
+    run = Run(tmp_path / "run", engine_cache, "run.mode=sync", "train.steps=6", "pool.weights=channel")
     assert run.finish() == 0, run.out[-3000:]
     Q = 8
     versions = {(e.model, e.prompt_id // Q, e.weight_version) for e in ExperienceLogReader(run.run_dir / "experience_log")}

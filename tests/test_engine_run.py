@@ -37,7 +37,7 @@ def test_smoke_run_completes_and_writes_its_run_dir(smoke_run):
     assert set(finals) == {"gpt2", "llama"}
     for final in finals.values():
         assert final["step"] == 12 and not final["stopped_early"]
-        assert 0.0 <= final["accuracy"] <= 1.0 and final["eval_n"] == 200
+        assert 0.0 <= final["accuracy"] <= 1.0 and final["eval_n"] == 18  # every held-out question of smoke.toml
         assert (Path(final["checkpoint"]) / "model.safetensors").exists()
     result = run.result()
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0 and result["audit"]["logged"] > 0
@@ -136,16 +136,18 @@ def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
 
 def test_a_pause_of_the_whole_machine_is_not_silence(tmp_path, engine_cache):
     """A suspended laptop or a paused VM stops every process at once: on waking, no model is presumed gone."""
-    # steps of the smoke run come under 1.5 s apart here: 5 s of silence is a pause, on a slower machine too
-    run = Run(tmp_path / "run", engine_cache, "timeouts.peer_silent_s=5")
+    # steps of the smoke run come under a second apart here, a few seconds with the suite's other workers running
+    # beside it: 10 s of silence is a pause, on a slower machine too
+    run = Run(tmp_path / "run", engine_cache, "timeouts.peer_silent_s=10")
     run.wait_steps(2, "gpt2")
     run.signal(signal.SIGSTOP)  # the whole run, as a suspend stops it
-    time.sleep(12)  # the pause itself is the stimulus: well past peer_silent_s
+    time.sleep(20)  # the pause itself is the stimulus: well past peer_silent_s
     run.signal(signal.SIGCONT)
     assert run.finish() == 0, run.out[-3000:]
     assert run.events("paused") and run.events("paused")[0]["seconds"] >= 4, run.events("paused")
     assert "did not run for" in run.out
-    assert not run.events("peer_gone") and "presumed gone" not in run.out, run.out[-3000:]
+    silent = [e for e in run.events("peer_gone") if not e["reason"].startswith("finished")]  # a peer done with its
+    assert not silent and "presumed gone" not in run.out, run.out[-3000:]  # steps first is gone, but not for silence
     assert run.result()["steps"] == {"gpt2": 12, "llama": 12}
 
 
@@ -186,10 +188,12 @@ def test_a_dead_learner_rank_leaves_its_group_which_re_forms(tmp_path, engine_ca
     assert run.leftover() == []
 
 
-@pytest.mark.parametrize("weights", ["channel", "broadcast"])
-def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_from_the_log(tmp_path, engine_cache,
-                                                                                           weights):
-    run = _kill_a_gpt2_learner_rank(tmp_path, engine_cache, "w2", f"pool.weights={weights}")
+def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_from_the_log(tmp_path, engine_cache):
+    """Over pair groups (``pool.weights=broadcast``, the default where every worker has a GPU): the generator's ask
+    of the dead leader fails and it asks the new one. The same death on the channel, a slot its writer left torn,
+    is test_engine_weights.py's test_a_slot_torn_by_a_dead_writer_is_never_loaded; a run's death of a learner
+    rank on the channel is test_a_dead_learner_rank_leaves_its_group_which_re_forms."""
+    run = _kill_a_gpt2_learner_rank(tmp_path, engine_cache, "w2", "pool.weights=broadcast")
     assert "[run] w2 (learner of gpt2) exited with code -9: its group re-forms with w3, whose new leader takes" in run.out
     result = run.result()
     assert result["steps"]["gpt2"] == 16 and result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0
@@ -198,7 +202,7 @@ def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_fro
     assert len(taken) == 1 and taken[0]["trained"] >= 8 and taken[0]["replayed"] > 0, taken
     gpt2 = [f for f in result["formations"] if f["model"] == "gpt2"]
     assert all(len(set(f["digests"].values())) == 1 for f in gpt2)
-    # the generator goes on with the new leader's versions (the channel, or the new leader's pair groups)
+    # the generator goes on with the new leader's versions, over the new leader's pair groups
     versions = {e.weight_version for e in ExperienceLogReader(run.run_dir / "experience_log") if e.model == "gpt2"}
     assert max(versions) > taken[0]["step"], sorted(versions)
     assert run.leftover() == []

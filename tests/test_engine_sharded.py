@@ -19,10 +19,11 @@ pytestmark = pytest.mark.slow
 SHARDED = ["train.sharding=fsdp2", "train.grad_accum=2"]
 
 
-@pytest.mark.parametrize("weights", ["channel", "broadcast"])
-def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_cache, weights):
+def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_cache):
+    """On the channel: the sharded leader gathers the whole state and publishes it as a replicated leader does,
+    through the same writer (pair groups: test_weight_broadcast.py, and the replicated runs over broadcast)."""
     # pool-key order: w0 generates gpt2, w1 llama, w2 learns gpt2, w3 (leader) + w4 learn llama
-    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 12, (1, 1, 1, 2)), *SHARDED, f"pool.weights={weights}",
+    run = Run(tmp_path / "run", engine_cache, *static_pool(5, 12, (1, 1, 1, 2)), *SHARDED, "pool.weights=channel",
               "run.checkpoint_every=3", "run.keep_checkpoints=10",
               # from llama's step 4 to 7 the follower w4 is llama's only generator (w1 helps gpt2 meanwhile)
               script(("llama", 4, "w4", "generator", "llama"), ("llama", 4, "w1", "generator", "gpt2"),

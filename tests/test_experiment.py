@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ base = "{ROOT / 'configs/smoke.toml'}"
 out = "{tmp_path / 'results'}"
 arms = ["grpo", "sgt_ref"]
 seeds = [0]
-set = ["train.steps=4", "eval.num_problems=40", "eval.every_steps=2", "eval.live_problems=20",
+set = ["train.steps=4", "eval.num_problems=18", "eval.every_steps=2", "eval.live_problems=10",
        "run.cache_dir='{cache}'"]
 
 [[model_sets]]
@@ -34,7 +35,7 @@ models = [{{name = "gpt2", arch = "gpt2", tokenizer = "gpt2"}}, {{name = "llama"
 
 [[tasks]]
 name = "arith"
-task = {{kind = "arithmetic", min_digits = 1, max_digits = 2, ops = ["+"], eval_fraction = 0.2}}
+task = {{kind = "arithmetic", min_digits = 1, max_digits = 1, ops = ["+"], eval_fraction = 0.2}}  # smoke.toml's
 """)
     return path
 
@@ -74,11 +75,28 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     assert "arith-pair-grpo-s0: running" in third.stdout and "sgt_ref-s0: running" not in third.stdout
 
 
-def test_the_gpu_grid_plans_here():
-    done = _experiment(str(ROOT / "configs/experiments/math.toml"), "--dry-run")
+def test_the_gpu_grid_plans_here_and_reads_its_checkpoints_configs(tmp_path):
+    """Where the checkpoints are in place (here their config.json only, as transformers writes them), --dry-run
+    reads each with transformers and checks it is the arch the grid says; a wrong one is one line and exit 2."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")  # the grid's paths are the working directory's
+    grid = tmp_path / "configs/experiments/math.toml"
+    runs = lambda: subprocess.run([sys.executable, str(ROOT / "launch.py"), "experiment", str(grid), "--dry-run",  # noqa: E731
+                                   "--out", str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=600)
+    qwen, llama = (tmp_path / "checkpoints" / n for n in ("Qwen2.5-1.5B-Instruct", "Llama-3.2-1B-Instruct"))
+    Qwen2Config().save_pretrained(qwen)
+    LlamaConfig().save_pretrained(llama)
+    done = runs()
     assert done.returncode == 0, done.stderr
     assert "15 runs" in done.stdout and "math-qwen-llama-sgt_ref-s2" in done.stdout
     assert "absent here" in done.stdout and "data/math/train.jsonl" in done.stdout
+    assert "Qwen2.5" not in done.stdout.split("absent here")[1]  # its config is here now
+    LlamaConfig().save_pretrained(qwen)  # a grid that names the wrong arch for what is on disk
+    done = runs()
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "model 'qwen'" in done.stderr and "is a 'llama' model but its arch is 'qwen2'" in done.stderr
 
 
 def test_the_cpu_grid_plans_every_arm_with_one_budget():

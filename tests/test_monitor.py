@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -268,7 +269,14 @@ def test_ctrl_c_with_a_page_streaming_stops_quietly(tmp_path):
         with urllib.request.urlopen(url + "events", timeout=30) as stream:
             assert stream.readline().startswith(b"data: ")  # the page is streaming
             proc.send_signal(signal.SIGINT)
-            out, _ = proc.communicate(timeout=30)
+            try:
+                out, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                raise AssertionError(f"the monitor did not stop within 30 s of its SIGINT; this process's SIGINT "
+                                     f"handler: {signal.getsignal(signal.SIGINT)}; the monitor's "
+                                     + "; ".join(line for line in status.splitlines()
+                                                 if line.startswith(("State", "Sig", "Threads")))) from None
     finally:
         if proc.poll() is None:
             proc.kill()

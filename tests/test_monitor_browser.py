@@ -56,7 +56,7 @@ def serve(run_dir: Path, *args: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def wait(driver, what: str, check, timeout: float = 60):
+def wait(driver, what: str, check, timeout: float = 180):  # a bound on a hang; a busy machine takes its time
     from selenium.common.exceptions import StaleElementReferenceException
 
     deadline = time.time() + timeout

@@ -167,3 +167,43 @@ def test_destination_shift_is_0_1_or_neither_by_the_bytes_of_the_first_token(tok
             src_at = ints[2 * m + len(src) :][: g_count + 1]
             dst_at = ints[2 * m + len(src) + g_count + 1 :][: g_count + 1]
             assert ints[:m].tolist() == hello and src_at.tolist() == [0, len(src)] and dst_at.tolist() == [0, 1]
+
+
+WITHOUT_NUMBA = """
+import sys
+if sys.argv[2] == "absent":
+    sys.modules["numba"] = None  # import numba now fails, as where the GPU check's wheelhouse leaves it out
+import numpy as np
+from tokenbridge import Bridge, load_tokenizer
+from tokenbridge import kernels
+assert hasattr(kernels.spell, "signatures") == (sys.argv[2] == "present")
+names = ("gpt2", "mistral", "qwen2")
+toks = {n: load_tokenizer(n, sys.argv[1]) for n in names}
+texts = [" 12 + 34 = 46", "Hello, world: naïve café ☕ 你好", "  two  spaces\\tand a tab", "x"]
+out = []
+for src, dst in zip(names, names[1:] + names[:1]):  # each tokenizer once as source, once as destination
+    bridge = Bridge(toks[src], toks[dst], cache_size=0)
+    for text in texts:
+        ids = toks[src].encode(text, add_special_tokens=False)
+        b = bridge(np.array(ids, dtype=np.int64), np.linspace(-2.0, -0.1, len(ids)))
+        out.append([b.dst_ids.tolist(), b.dst_logprobs.tolist(), b.dst_group.tolist(), b.src_group.tolist(),
+                    b.residual])
+print(repr(out))
+"""
+
+
+def test_without_numba_the_kernels_run_as_python_and_bridge_alike(tmp_path_factory):
+    """The GPU check's wheelhouse leaves numba out (llvmlite is 58 MB): the loops then run as plain Python and
+    must bridge exactly as compiled, each tokenizer as source and as destination."""
+    cache = tmp_path_factory.getbasetemp() / "tokenbridge-cache"
+    root = Path(__file__).resolve().parents[1]
+    runs = {how: subprocess.run([sys.executable, "-c", WITHOUT_NUMBA, str(cache), how], cwd=root, capture_output=True,
+                                text=True, timeout=600) for how in ("present", "absent")}
+    for how, done in runs.items():
+        assert done.returncode == 0, (how, done.stderr[-2000:])
+    compiled, plain = (eval(runs[how].stdout) for how in ("present", "absent"))  # noqa: S307  our own output
+    assert len(compiled) == len(plain) == 12
+    for c, p in zip(compiled, plain):  # ids and groups exactly; log-probs and residual to float rounding
+        assert (c[0], c[2], c[3]) == (p[0], p[2], p[3])
+        np.testing.assert_allclose(p[1], c[1], rtol=0, atol=1e-12)
+        assert abs(p[4] - c[4]) < 1e-12

@@ -84,6 +84,15 @@ class Proc:
         self.process.join()
 
 
+def served(leader: Proc, want: tuple[int, int]) -> tuple[int, int]:
+    """The leader's (served, pairs) once it reads ``want``, else its last reading after ANSWER_S: a generator's
+    load returns when the weights arrived, and the leader's serving thread counts the send a moment later."""
+    deadline = time.time() + ANSWER_S
+    while (got := leader.ask("served")) != want and time.time() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 @pytest.fixture
 def board():
     store, address = open_board("127.0.0.1")
@@ -106,7 +115,7 @@ def test_generators_take_each_version_bit_for_bit_over_one_pair_group_each(board
         want = leader.ask("publish", version)
         assert [g.ask("load") for g in gens] == [(version, want)] * 2
     assert gens[0].ask("load") == (3, want)  # nothing newer: nothing asked
-    assert leader.ask("served") == (6, 2)  # one pair group per generator, kept across versions
+    assert served(leader, (6, 2)) == (6, 2)  # one pair group per generator, kept across versions
 
 
 def test_a_new_leader_takes_over_and_a_closed_one_is_not_waited_for(board) -> None:
@@ -120,7 +129,7 @@ def test_a_new_leader_takes_over_and_a_closed_one_is_not_waited_for(board) -> No
     second = start(_leader, "w2")  # the new leader takes the lead with the group's state
     want = second.ask("publish", 2)
     assert gen.ask("load") == (2, want)
-    assert second.ask("served") == (1, 1)
+    assert served(second, (1, 1)) == (1, 1)
 
 
 def test_a_leader_that_died_is_given_up_on_when_its_successor_publishes(board) -> None:
@@ -158,7 +167,7 @@ def test_a_leader_that_follows_stops_serving_and_serves_again_when_it_leads_agai
         time.sleep(0.2)
     want = first.ask("publish", 3)  # w0 leads again
     assert gen.ask("load") == (3, want)
-    assert first.ask("served") == (1, 1)
+    assert served(first, (1, 1)) == (1, 1)
 
 
 def test_auto_broadcasts_only_where_every_worker_has_a_gpu_of_its_own() -> None:
@@ -169,3 +178,50 @@ def test_auto_broadcasts_only_where_every_worker_has_a_gpu_of_its_own() -> None:
     cuda = replace(cfg, pool=replace(cfg.pool, device="cuda"))
     assert broadcasts(cuda) == (torch.cuda.device_count() >= cfg.pool.workers)
     assert not broadcasts(replace(cuda, pool=replace(cuda.pool, weights="channel")))
+
+
+PEER_THAT_LEAVES = """
+import datetime, os, sys
+import torch.distributed as dist
+host, port = sys.argv[1].rsplit(":", 1)
+store = dist.PrefixStore("pair/x/1/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                                    timeout=datetime.timedelta(seconds=30)))
+dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=30))  # connected: the pair exists ...
+os._exit(0)  # ... and its generator dies before the first collective, as a lazily connecting NCCL peer may
+"""
+
+
+def test_a_pair_whose_peer_left_before_any_collective_fails_to_form_within_the_time_out() -> None:
+    """NCCL connects on a group's first collective, so without a collective at formation a dead peer would only
+    show in the first weight sync; the hello all-reduce makes formation itself fail, as one WeightSyncError
+    within the time-out (here on gloo, the same code path as on NCCL), and a peer that never came alike."""
+    import subprocess
+    import sys
+
+    from engine.weights.broadcast import _pair
+    from engine.weights.collective import WeightSyncError
+
+    store, address = open_board("127.0.0.1")
+    peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_LEAVES, address])
+    try:
+        started = time.time()
+        with pytest.raises(WeightSyncError, match="did not form"):
+            _pair(store, "pair/x/1/", 0, torch.device("cpu"), timeout_s=10)
+        assert time.time() - started < 30
+        assert peer.wait(timeout=30) == 0
+        started = time.time()
+        with pytest.raises(WeightSyncError, match="did not form"):  # nobody at all
+            _pair(store, "pair/y/1/", 0, torch.device("cpu"), timeout_s=2)
+        assert time.time() - started < 15
+    finally:
+        peer.kill()
+
+
+def test_every_worker_sets_the_nccl_failure_policy_before_any_group() -> None:
+    """A timed-out NCCL collective raises and aborts its communicator, without ending the process (torch's default
+    tears it down): the values engine.roles.worker puts into its environment."""
+    from engine.train.group import NCCL_FAILURE_ENV, set_nccl_failure_env
+
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # torch's default: tear the process down
+    set_nccl_failure_env(env)
+    assert env == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"} == NCCL_FAILURE_ENV

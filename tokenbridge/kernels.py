@@ -24,7 +24,12 @@ destination tokens dst_firsts[k]:dst_firsts[k+1], and bytes byte_firsts[k]:byte_
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+try:
+    from numba import njit
+except ImportError:  # the GPU check's offline wheelhouse leaves numba out (llvmlite alone is 58 MB): the same
+    def njit(*args, **kwargs):  # loops then run as plain Python, slower and alike (NUMBA_DISABLE_JIT=1 tests that)
+        return args[0] if args and callable(args[0]) else (lambda fn: fn)
 
 # Record layout (see profile.py): record[t, 0] bits 0-7 flags, 8-23 byte length, 24-63 start in the blob;
 # record[t, 1] (seen through `inline`, the same memory as (V, 16) bytes) the token's bytes if it has at most 8.

@@ -31,10 +31,12 @@ class GenerationConfig(_Section):
     # hf: transformers sampling from the worker's module; hf-static: its own copy in `dtype`, a static KV cache (the
     # GPU path: bf16); sglang: an extra, needs CUDA
     backend: Literal["hf", "hf-static", "sglang"] = "hf"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # hf-static's weights
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # hf-static's and sglang's weights
     sglang_url: str = ""  # a running sglang server (http://host:port); "" = sglang's Engine in the worker, on its GPU
-    # how weights reach a server: sglang's CUDA IPC handles (colocated), or safetensors bytes (a server that takes them)
-    sglang_tensors: Literal["ipc", "safetensors"] = "ipc"
+    # sglang's Engine: the fraction of a GPU's free memory its generators take for weights + KV cache, split
+    # evenly between the workers placed on that GPU (sglang_args.mem_fraction_static overrides the share)
+    sglang_memory: float = 0.7
+    sglang_deterministic: bool = False  # --enable-deterministic-inference: slower, but run.seed reproduces samples
     sglang_args: dict[str, str | int | float | bool] = {}  # more sglang.Engine arguments (mem_fraction_static, ...)
 
 

@@ -73,9 +73,10 @@ def _sglang(cfg: RunConfig, m, key: str, origin: Origin, check_machine: bool) ->
     if not g.sglang_url and cfg.pool.device != "cuda":
         raise origin.error(f"{key}.generation.backend", '"sglang" runs sglang\'s Engine on each generator\'s GPU and '
                                                         'needs pool.device = "cuda" (or a running server: sglang_url)')
-    needs_sglang = not g.sglang_url or g.sglang_tensors == "ipc"
-    if needs_sglang and check_machine and importlib.util.find_spec("sglang") is None:
-        raise origin.error(f"{key}.generation.backend", "sglang is not installed: pip install -c constraints.txt "
+    if not 0.0 < g.sglang_memory < 1.0:
+        raise origin.error(f"{key}.generation.sglang_memory", f"{g.sglang_memory} is not a fraction in (0, 1)")
+    if not g.sglang_url and check_machine and importlib.util.find_spec("sglang") is None:
+        raise origin.error(f"{key}.generation.backend", "sglang is not installed: pip install -c constraints-sglang.txt "
                                                         "-e '.[sglang]' (it needs CUDA)")
 
 
@@ -124,3 +125,8 @@ def _pool(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             raise origin.error("pool.weights", f'"broadcast" pairs GPUs over NCCL, which cannot pair two workers on '
                                                f"one GPU: {per_node} workers per node, {torch.cuda.device_count()} "
                                                'GPUs; use "channel" or fewer workers')
+        if cfg.train.sharding == "fsdp2" and torch.cuda.device_count() < per_node:
+            raise origin.error("train.sharding", f'"fsdp2" shards a learner group over NCCL, which cannot put two '
+                                                 f"ranks on one GPU, and any two workers may join one group: "
+                                                 f"{per_node} workers per node, {torch.cuda.device_count()} GPUs; "
+                                                 f'use "replicate" or fewer workers')

@@ -81,13 +81,25 @@ def prepare_model(payload: bytes) -> int:
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
-    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress)
+    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
+                       device=prep_device(cfg, plan.model_index))
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
                         eval_n=n)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
+
+
+def prep_device(cfg: RunConfig, model_index: int):
+    """Where a model's warm start and held-out evaluation run: its own GPU where the run has GPUs (TF32 on: a
+    real checkpoint's 500-problem evaluation takes hours on a CPU), else the CPU."""
+    import torch
+
+    if cfg.pool.device != "cuda":
+        return torch.device("cpu")
+    torch.set_float32_matmul_precision("high")
+    return torch.device("cuda", model_index % torch.cuda.device_count())
 
 
 def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path,

@@ -71,16 +71,17 @@ def warm_start(
     config: WarmStartConfig,
     cache_dir: str | Path,
     progress: bool = True,
+    device: str | torch.device = "cpu",
 ) -> PreTrainedModel:
-    """The warm-started policy: loaded from `cache_dir` if trained before, else trained and cached
-    (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
+    """The warm-started policy on ``device``: loaded from `cache_dir` if trained before, else trained there and
+    cached (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
     path = warm_start_path(spec, tokenizer, task, config, cache_dir)
     if path.is_dir():
         try:
-            return load_policy(path)
+            return load_policy(path).to(device)
         except ModelLoadError as exc:
             log.warning("retraining: cached warm start is unusable: %s", exc)
-    model = build_policy(spec, tokenizer, seed=config.seed)
+    model = build_policy(spec, tokenizer, seed=config.seed).to(device)
     report = train_on_solutions(model, spec, tokenizer, task, config, progress)
     save_policy(model, tokenizer, path, extra_files={"warmstart.json": msgspec.json.encode(report)})
     return model.eval()
@@ -103,7 +104,7 @@ def train_on_solutions(
         while step < config.steps and not _out_of_time(started, config.seconds):
             batch = _batch(spec, tokenizer, task, WARM_START_FIRST_ID + step * config.batch_size, config.batch_size)
             model.train()
-            lp = token_logprobs(model, *batch)
+            lp = token_logprobs(model, *(t.to(model.device) for t in batch))
             loss = -lp.sum() / batch[2].sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -152,7 +153,7 @@ def _train_accuracy(
     model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig
 ) -> float:
     """Greedy accuracy on training problems (the held-out set stays unseen)."""
-    backend = HFBackend(model, tokenizer.eos_token_id, pad_token_id(tokenizer))
+    backend = HFBackend(model, tokenizer.eos_token_id, pad_token_id(tokenizer), device=model.device)
     result = evaluate(
         backend, tokenizer, spec.arch, task, config.check_problems, max_new_tokens=MAX_NEW_TOKENS, split="train"
     )

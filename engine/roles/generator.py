@@ -26,7 +26,7 @@ from exchange.protocol import SCHEMA_VERSION, Experience, Stats, pack_floats, pa
 from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
 from policies.lora import has_adapters, merged
 from policies.models import pad_token_id
-from policies.sglang_backend import SglangBackend, sglang_backend
+from policies.sglang_backend import SglangBackend, engine_args, sglang_backend
 from policies.templates import prompt_ids
 
 
@@ -92,8 +92,16 @@ def make_backend(worker, model: str, policy) -> GenerationBackend:
                                 dtype=getattr(torch, g.dtype))
         backend.version = -1
         return backend
-    return sglang_backend(tok.eos_token_id, g.sglang_url, g.sglang_tensors, worker.plan.warm_checkpoints[model],
-                          gpu=worker.device.index or 0, seed=worker.cfg.run.seed, engine_args=g.sglang_args)
+    gpu = worker.device.index or 0
+    args = engine_args(g.dtype, worker.cfg.run.seed, gpu, g.sglang_memory / workers_on_gpu(worker.cfg, gpu),
+                       g.sglang_deterministic, g.sglang_args)
+    return sglang_backend(tok.eos_token_id, g.dtype, g.sglang_url, worker.plan.warm_checkpoints[model], args)
+
+
+def workers_on_gpu(cfg, gpu: int) -> int:
+    """How many of a node's workers share GPU ``gpu`` (round-robin placement: ``worker_device``)."""
+    per_node, gpus = cfg.pool.workers_per_node(), max(torch.cuda.device_count(), 1)
+    return len(range(gpu, per_node, gpus)) or 1
 
 
 def _push_weights(backend: GenerationBackend, policy) -> None:

@@ -20,6 +20,7 @@ import collections
 import os
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -29,10 +30,12 @@ from engine.config import ModelConfig, RunConfig, model_spec, tokenizer_cache
 from engine.roles import generator, learner, learner_core
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
 from engine.runtime.metrics import MetricsWriter
+from engine.train import group as dp
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
                                   WorkerPlane, WorkUnit)
 from exchange.security import ClientKeys
 from exchange.transport import Publisher
+from policies.backend import HFBackend
 from policies.lora import add_adapters, load_adapters
 from policies.models import build_policy
 from tasks.registry import make_task
@@ -115,12 +118,17 @@ class Worker:
         self.reader = None  # the generator role's end of the weight channel ...
         self.reader_model = ""  # ... for this model
         self.device = worker_device(self.cfg, plan.device_index)
+        dp.set_nccl_failure_env()  # before any NCCL group: a dead peer raises in the survivor, as on gloo
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # to_thread's threads start on cuda:0 otherwise
+            torch.cuda.set_device(self.device)  # this thread; start() gives to_thread's threads the same
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls: fp32 learners at tensor-core speed
         self._role: RoleOf | None = None
         self._switch: RoleSwitch | None = None
 
     async def start(self) -> None:
+        if self.device.type == "cuda":  # the current CUDA device is per thread: every to_thread thread takes ours
+            asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+                thread_name_prefix=f"{self.id}-cuda", initializer=torch.cuda.set_device, initargs=(self.device,)))
         self.plane = WorkerPlane(self.plan.plane, self.id, curve=self.plan.curve)
         self.pub = Publisher(self.plan.broker_in, curve=self.plan.curve)
         self.metrics = MetricsWriter(self.plan.run_dir, "engine")
@@ -194,7 +202,7 @@ class Worker:
         held: list = [p.module for p in self.policies.values()]
         held += [core.state.optimizer for core in self.learners.values()]
         held += [part for core in self.learners.values() if core.twin is not None for part in core.twin.holdings()]
-        if self.backend is not None:
+        if isinstance(self.backend, HFBackend):  # an sglang backend holds its weights in sglang's own processes
             held.append(self.backend.model)
         return held
 

@@ -59,7 +59,7 @@ class NodeAgent:
         if problem := sees_run_dir(self.plan):
             self.say(problem)
             return await self.refuse(problem)
-        self.root = channel_root(f"{self.plan.run_id}-{self.name}")
+        self.root = channel_root(f"{self.plan.run_id}-{self.name}-{os.getpid():x}")  # two runs' dirs may share a name
         self.plane = WorkerPlane(self.plan.plane, self.name, reads=ToNode, curve=client_keys(self.plan.keys))
         relay = Relay(self.plan.weights_hub, self.root, client_keys(self.plan.keys))
         tasks = [asyncio.create_task(relay.serve()), asyncio.create_task(self._beat())]

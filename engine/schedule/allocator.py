@@ -75,9 +75,9 @@ class Allocator:
         it = iter(workers)
         return {next(it): tuple(key.split(":", 1)) for key in sorted(split) for _ in range(split[key])}
 
-    def tick(self, now: float, stats: list[Stats], assignment: dict[str, RoleOf]) -> tuple[dict[str, RoleOf], str,
-                                                                                            list[dict]]:
-        """Moves to make now: (worker -> new role, why, metrics records)."""
+    def tick(self, now: float, stats: list[Stats], assignment: dict[str, RoleOf], leaders: list[str] | None = None
+             ) -> tuple[dict[str, RoleOf], str, list[dict]]:
+        """Moves to make now: (worker -> new role, why, metrics records); ``leaders``: each learner group's rank 0."""
         return {}, "", []
 
     def freeze(self, why: str) -> None:
@@ -123,10 +123,10 @@ class MWRAAllocator(Allocator):
     def first_split(self, workers: list[str]) -> dict[str, RoleOf]:
         return initial_assignment(workers, self.ccfg)
 
-    def tick(self, now, stats, assignment):
+    def tick(self, now, stats, assignment, leaders=None):
         if self.frozen:
             return {}, "", []
-        decision = decide(view_from_stats(stats, assignment, now, self.ccfg), self.state, self.ccfg)
+        decision = decide(view_from_stats(stats, assignment, now, self.ccfg, leaders), self.state, self.ccfg)
         self.state = decision.new_state
         records = []
         if decision.acted or decision.reasons != self._last_reasons:  # a no-op is logged when its reasons change

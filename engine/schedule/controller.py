@@ -103,6 +103,9 @@ class ClusterView(msgspec.Struct, kw_only=True):
     time: float
     assignment: dict[str, tuple[str, str]]  # worker_id -> (role, model), as last assigned
     pools: dict[str, PoolView]
+    # each learner group's rank 0: it keeps its role (the group's state is its), so it is never moved itself; a move
+    # planned for it would become a move of another member, whose dwell time would not have been asked
+    leaders: list[str] = []
 
 
 class ControllerState(msgspec.Struct, kw_only=True):
@@ -150,7 +153,7 @@ class Decision(msgspec.Struct, kw_only=True):
 
 
 def view_from_stats(stats: list[Stats], assignment: dict[str, tuple[str, str]], now: float,
-                    config: ControllerConfig) -> ClusterView:
+                    config: ControllerConfig, leaders: list[str] | None = None) -> ClusterView:
     """Aggregate the Stats that arrived since the previous call into pools.
 
     Pass each Stats once: every window is new evidence, and a window counted again would
@@ -186,7 +189,7 @@ def view_from_stats(stats: list[Stats], assignment: dict[str, tuple[str, str]], 
         p.reporting = len(reporters[key])
         if p.window_s > 0:
             p.staleness_mean /= p.window_s
-    return ClusterView(time=now, assignment=dict(assignment), pools=pools)
+    return ClusterView(time=now, assignment=dict(assignment), pools=pools, leaders=sorted(leaders or []))
 
 
 def initial_assignment(worker_ids: list[str], config: ControllerConfig) -> dict[str, tuple[str, str]]:
@@ -314,6 +317,8 @@ def decide(view: ClusterView, state: ControllerState, config: ControllerConfig) 
 
     movable: dict[str, list[str]] = {}
     for w, (role, model) in view.assignment.items():
+        if w in view.leaders:
+            continue
         if view.time - state.moved_at.get(w, -math.inf) >= config.min_dwell_s or role == "idle":
             key = IDLE_POOL if role == "idle" else pool_key(role, model)
             movable.setdefault(key, []).append(w)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from policies.batch import ObjectiveBatch
-from policies.logprobs import Packed, completion_logprobs, pack
+from policies.logprobs import Packed, completion_logprobs, model_device, pack
 
 
 def pad_rows(rows: list[np.ndarray], width: int, fill: float, dtype) -> torch.Tensor:
@@ -75,10 +75,18 @@ def build_batch(
     pad_id: int,
     peer_version: dict[str, int] | None = None,
 ) -> ObjectiveBatch:
-    """The ObjectiveBatch of one learner step; group index = position of the prompt in ``prompt_order``.
+    """The ObjectiveBatch of one learner step, on ``model``'s device (every path that trains, the sharded one
+    too, takes it from here); group index = position of the prompt in ``prompt_order``.
 
-    ``model`` None runs no forward: log-probs are zeros, a batch for counting denominators only
+    ``model`` None runs no forward: log-probs are zeros, a CPU batch for counting denominators only
     (``policies.denominators.local_counts``)."""
+    batch = _host_batch(model, own, peers, prompt_order, learner_version, pad_id, peer_version)
+    return batch if model is None else batch.to(model_device(model))
+
+
+def _host_batch(model, own: list[OwnSample], peers: list[PeerSample], prompt_order: list[int], learner_version: int,
+                pad_id: int, peer_version: dict[str, int] | None) -> ObjectiveBatch:
+    """build_batch's fields: the log-probs where the model is, the rest built on the host."""
     index = {pid: g for g, pid in enumerate(prompt_order)}
     packed = pack([s.prompt_ids for s in own], [s.completion_ids for s in own], pad_id)
     logp = _logprobs(model, packed)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import os
 import socket
 from dataclasses import dataclass
 
@@ -66,6 +67,17 @@ class GroupError(RuntimeError):
 
 
 _rendezvous: list = []  # the store must outlive the group
+
+# NCCL's defaults tear the whole process down when a collective times out (a dead peer): the failure policy
+# that holds on gloo (the collective raises, the survivor goes on) needs the wait to block and raise, and a
+# failed communicator to be aborted without ending the process. Read when an NCCL group is made, so every
+# worker sets them first (worker_environment); ours win over the user's, whose values would kill workers.
+NCCL_FAILURE_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def set_nccl_failure_env(environ: dict | None = None) -> None:
+    """Put NCCL_FAILURE_ENV into ``environ`` (this process's environment by default)."""
+    (os.environ if environ is None else environ).update(NCCL_FAILURE_ENV)
 
 
 def _store(endpoint: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:

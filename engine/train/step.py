@@ -69,7 +69,6 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     if share:
         batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version)
         batch.totals = totals  # None on one rank: the batch is the whole step's, divided by its own counts
-        batch = batch.to(next(state.model.parameters()).device)  # built on CPU; the loss runs where the weights are
         loss, stats = compute_loss(batch, objective, state.rng)
         loss.backward()
     if world > 1:

@@ -70,8 +70,17 @@ def _pair(store: dist.TCPStore, prefix: str, rank: int, device: torch.device, ti
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            return dist.ProcessGroupNCCL(store, rank, 2, opts)
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+            group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        else:
+            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        # NCCL connects on the first collective, so a peer that died before it would only show in the first
+        # sync; one all-reduce now makes formation fail here, on NCCL as on gloo (group.nccl_failure_env: the
+        # wait raises at the time-out)
+        hello = torch.ones(1, device=device)
+        group.allreduce([hello]).wait()
+        if int(hello.item()) != 2:
+            raise RuntimeError(f"the hello all-reduce gave {hello.item()}, not 2")
+        return group
     except Exception as exc:  # the other side died or never came, past the time-out
         raise WeightSyncError(f"weight sync: the pair group {prefix} did not form: {exc}") from exc
 
@@ -103,8 +112,8 @@ class BroadcastWriter(_End):
 
     def publish(self, version: int) -> None:
         flats = pack(self.named, self.dtype, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the server's collectives run on other streams
+        if self.device.type == "cuda":  # the copies above, on this thread's stream; not the whole device, whose
+            torch.cuda.current_stream(self.device).synchronize()  # NCCL streams a dead peer could hold forever
         self.snapshot = (version, flats)  # one reference swap: a send in progress keeps the one it took
         self.store.set(f"weights/{self.model}", f"{version} {self.tag}")
         if self._thread is None or not self._thread.is_alive():
