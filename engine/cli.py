@@ -32,6 +32,7 @@ def open_run(args: argparse.Namespace):
 
     try:
         cfg = load_run_config(args.config, args.overrides)
+        _start_actor_server()  # a config refused above costs no second interpreter; one that loads overlaps it
         preflight(cfg)
         run_dir = make_run_dir(args.run_dir)
     except (ConfigError, FileExistsError, OSError) as exc:
@@ -104,7 +105,6 @@ def run_command(args: argparse.Namespace) -> int:
     node = this_node()
     if node is not None and node.rank > 0:
         return serve_node(node)
-    _start_actor_server()
     opened = open_run(args)
     if opened is None:
         refuse_nodes(node)
@@ -154,7 +154,7 @@ def refuse_nodes(node) -> None:
 
 
 def _start_actor_server() -> None:
-    """The actors' fork server loads torch while this process loads the config (two cores, not one)."""
+    """The actors' fork server loads torch while this process runs its pre-flight checks (two cores, not one)."""
     from engine.runtime import actors
 
     actors.start_server()

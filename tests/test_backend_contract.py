@@ -210,6 +210,7 @@ def test_sglang_outputs_off_the_documented_shape_are_one_clear_error() -> None:
         SglangHTTP("http://127.0.0.1:9", timeout_s=5)
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_importing_the_project_never_imports_sglang() -> None:
     code = ("import sys, policies.sglang_backend, policies.backend, engine.roles.generator; "
             "assert 'sglang' not in sys.modules, 'sglang was imported'")

@@ -28,6 +28,7 @@ def test_without_cuda_it_says_so_and_its_json_is_a_skip_not_a_pass() -> None:
     assert "CUDA is absent" in result["skipped"] and "ok" not in result
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_tiny_cpu_run_measures_everything_and_ends_with_one_json_object() -> None:
     code, lines = _run("--tiny", "--device", "cpu", "--no-subruns")
     result = json.loads(lines[-1])

@@ -94,6 +94,7 @@ def test_every_node_gets_the_newest_weights_bit_for_bit_and_never_an_older_one(t
         assert versions == sorted(versions)  # a node's head only moves forward
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_node_0_that_refuses_its_config_stops_node_1_at_once(tmp_path):
     port = free_port()
 

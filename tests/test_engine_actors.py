@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import msgspec
 import zmq
 import zmq.asyncio
@@ -38,6 +39,7 @@ def left_open(payload: bytes):
     return _left_open(msgspec.msgpack.decode(payload))
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_an_actor_that_leaves_a_socket_open_still_exits(tmp_path):
     actor = actors.spawn("left-open", "tests.test_engine_actors:left_open",
                          msgspec.msgpack.encode(f"ipc://{tmp_path}/nobody"))

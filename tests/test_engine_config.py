@@ -124,6 +124,7 @@ def test_launch_exits_2_with_one_line_on_bad_config(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     result = _launch("run", "--config", str(SMOKE), "--set", "models.0.checkpoint='/nonexistent/ckpt'",
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
@@ -139,6 +140,7 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("generation, named", [
     ("{backend='sglang'}", 'needs pool.device = "cuda"'),
     ("{backend='sglang', sglang_url='localhost:30000'}", "not an http(s)://host:port URL"),
@@ -154,6 +156,7 @@ def test_launch_refuses_a_generation_backend_it_cannot_run(tmp_path, generation,
     assert named in result.stderr and "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("lora, named", [("{targets=['no_such_proj']}", "no_such_proj"), ("{rank=0}", "rank"),
                                          ("{rank=4, alphas=8}", "alphas")])
 def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lora, named):
@@ -164,6 +167,7 @@ def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lor
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_launch_refuses_an_sglang_url_where_nothing_answers_or_the_dtype_is_not_the_models(tmp_path):
     from engine.runtime.rundir import free_port
     from policies.backend import HFBackend
@@ -188,6 +192,7 @@ def test_launch_refuses_an_sglang_url_where_nothing_answers_or_the_dtype_is_not_
     assert "runs --dtype auto" in said and "start it with --dtype bfloat16" in said, said
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("sets, key, named", [
     (["train.grad_accum=2"], "train.grad_accum", 'train.sharding = "fsdp2"'),
     (["train.activation_checkpointing=true"], "train.activation_checkpointing", 'train.sharding = "fsdp2"'),
@@ -222,6 +227,7 @@ def test_launch_cache_shows_and_clears_the_cache(tmp_path):
     assert cleared.returncode == 0 and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_launch_refuses_a_malformed_task_file(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": \n')
@@ -266,6 +272,7 @@ sys.exit(launch.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_wandb_switched_on_but_not_installed_is_one_sentence_and_nothing_written(tmp_path):
     assert load_run_config(SMOKE).run.wandb == "off"  # off unless asked for
     run = subprocess.run([sys.executable, "-c", BLOCKED, "run", "--config", str(SMOKE), "--set",

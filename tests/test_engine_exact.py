@@ -14,18 +14,18 @@ import copy
 import datetime
 import functools
 
+import pytest
 import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.runtime.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
 from engine.train.step import peers_for, train_share
-from gloo_ranks import leave_group
+from gloo_ranks import leave_group, spawn_ranks
 
 WORLD, LR, CLIP = 2, 1e-2, 1e6  # the clip never binds: the summed gradient is what the step keeps
 # (objective config, prompts); prompts 0 and 2 go to rank 0, 1 and 3 to rank 1
@@ -139,10 +139,11 @@ def _relative_error(got: dict, want: dict) -> float:
     return diff / sum(float(want[n].pow(2).sum()) for n in want) ** 0.5
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) -> None:
     torch.set_num_threads(1)
     out = str(tmp_path / "grads")
-    mp.spawn(_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, (f"tcp://127.0.0.1:{free_port()}", out), WORLD)
     ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     for name in CASES:
         want, figures = _one_rank(name)

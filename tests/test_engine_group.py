@@ -91,6 +91,7 @@ def _worker(name: str, ep1: str, ep2: str, out_dir: str, cache: str) -> None:
         json.dump(out, f)
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.timeout(300)
 def test_learner_rank_leaves_and_joins_with_identical_state(tmp_path):
     ep1, ep2 = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -121,6 +122,7 @@ def _dies_after_forming(endpoint: str) -> None:
     os._exit(0)  # a rank that dies without a word
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.timeout(120)
 def test_a_collective_with_a_dead_rank_fails_loudly_instead_of_hanging(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"

@@ -59,6 +59,7 @@ def _load(commands, out) -> tuple[int, list[float]]:
     return version, values
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_readers_that_join_late_get_the_newest_exact_weights(tmp_path):
     directory = tmp_path / "gpt2"
     learner = _model(0.0)

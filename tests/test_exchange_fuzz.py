@@ -266,6 +266,7 @@ def test_ten_thousand_hostile_frames_are_all_counted_and_the_broker_still_serves
     assert proc.exitcode == 0
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_sender_past_the_bad_message_limit_is_cut_off_and_named(tmp_path, loop, capfd):
     cfg, proc = _broker(tmp_path, max_rejects_per_sender=50)
     ctx = zmq.Context()

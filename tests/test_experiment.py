@@ -75,6 +75,7 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     assert "arith-pair-grpo-s0: running" in third.stdout and "sgt_ref-s0: running" not in third.stdout
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_the_gpu_grid_plans_here_and_reads_its_checkpoints_configs(tmp_path):
     """Where the checkpoints are in place (here their config.json only, as transformers writes them), --dry-run
     reads each with transformers and checks it is the arch the grid says; a wrong one is one line and exit 2."""

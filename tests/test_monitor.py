@@ -140,6 +140,7 @@ def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
         assert proc.exitcode == 0, "the broker did not stop on its Control stop"
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_cluster_run_with_keys_is_watched_with_the_key_files_its_endpoints_name(tmp_path):
     """A cluster's exchange is CurveZMQ (MUTUAL_RL_CLUSTER_KEYS): endpoints.json names the key files, the
     monitor taps with them; with a stranger's key (--curve-secret) it says so in one sentence."""

@@ -70,6 +70,7 @@ def wait(driver, what: str, check, timeout: float = 180):  # a bound on a hang; 
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_page_shows_charts_exchange_and_story(tmp_path):
     run_dir = write_run(tmp_path / "run", prompts=12, steps=4)
     proc, url = serve(run_dir, "--speed", "4")
@@ -120,6 +121,7 @@ def _story(driver) -> tuple[int, dict[str, int]]:
     return prompt, per_model
 
 
+@pytest.mark.slow  # a whole run
 def test_page_follows_a_live_run(tmp_path, engine_cache):
     """A real run (configs/smoke.toml, made long enough to watch, stopped with Ctrl-C once seen): the monitor
     attaches to its exchange as a lossy subscriber and the page draws what the run is doing, as it does it."""

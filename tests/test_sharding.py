@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.runtime.rundir import free_port
 from engine.train import group as dp
@@ -35,7 +34,7 @@ from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
 from engine.train.sharding import ShardedTwin, decoder_blocks, micro_batches, shard, sharded_step
 from engine.train.step import peers_for, train_share
-from gloo_ranks import leave_group
+from gloo_ranks import leave_group, spawn_ranks
 
 WORLD, G, Q, STEPS, LR = 2, 2, 6, 2, 1e-2
 TOKENIZER = {"gpt2": "gpt2", "qwen2": "qwen2", "llama": "mistral"}
@@ -113,8 +112,7 @@ def _rank(rank: int, endpoint: str, out: str, arch: str, accum: int, checkpoint:
 
 def _sharded(tmp_path, arch: str, accum: int, checkpoint: bool, clip: float, obj: str) -> dict:
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(f"tcp://127.0.0.1:{free_port()}", out, arch, accum, checkpoint, clip, obj),
-             nprocs=WORLD, join=True)
+    spawn_ranks(_rank, (f"tcp://127.0.0.1:{free_port()}", out, arch, accum, checkpoint, clip, obj), WORLD)
     return torch.load(out)
 
 
@@ -171,6 +169,7 @@ def _single_rank_grads(arch: str, clip: float, obj: str) -> dict:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("arch, accum, checkpoint, obj, exact", [
     ("gpt2", 1, False, "grpo_seq", True),  # plain data-parallel sharding
     ("qwen2", 2, True, "grpo", True),  # a token mean over micro-batches and ranks; activation checkpointing
@@ -198,6 +197,7 @@ def test_two_gloo_ranks_of_fsdp2_equal_one_rank(tmp_path, arch: str, accum: int,
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_binding_clip_agrees_to_rounding(tmp_path) -> None:
     """The norm of sharded gradients is reduced shard by shard: its last bits, so the clip factor's, may differ."""
     got = _sharded(tmp_path, "gpt2", 1, False, 1e-6, "prp")
@@ -251,13 +251,14 @@ def _twin_rank(rank: int, endpoint: str, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_sharded_formation_holds_and_gives_back_the_replicated_state_bit_for_bit(tmp_path) -> None:
     """What the learner role does with train.sharding = "fsdp2": the replicated state is cut into shards (a
     follower keeps nothing whole), a step on them equals the replicated group's step bit for bit (weights the
     leader publishes, moments it checkpoints), and closing the formation gives the leader the whole state back,
     which the next formation's sync_state hands to every rank."""
     out = str(tmp_path / "twin")
-    mp.spawn(_twin_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    spawn_ranks(_twin_rank, (f"tcp://127.0.0.1:{free_port()}", out), WORLD)
     ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     for rank, found in enumerate(ranks):
         assert found["round_trip"] and found["round_trip_synced"] and found["after_close"], (rank, found)
@@ -289,11 +290,12 @@ def _bf16_rank(rank: int, endpoint: str, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_bf16_formation_keeps_fp32_master_weights_and_steps_like_fp32(tmp_path) -> None:
     """train.mixed_precision = "bf16": forward and backward in bfloat16, master weights, reduction and AdamW in
     fp32. The step is not fp32's bit for bit (bf16 was used) but points the same way."""
     out = str(tmp_path / "bf16")
-    mp.spawn(_bf16_rank, args=(f"tcp://127.0.0.1:{free_port()}", out), nprocs=WORLD, join=True)
+    spawn_ranks(_bf16_rank, (f"tcp://127.0.0.1:{free_port()}", out), WORLD)
     found = torch.load(out)
     assert found["dtypes"] == {"torch.float32"}
     bf16, fp32 = found["bf16"], found["fp32"]

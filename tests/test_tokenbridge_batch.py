@@ -55,6 +55,7 @@ def calls(bridge: Bridge, ids, logprobs, masks) -> list:
     return out
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize(("src", "dst"), [("gpt2", "qwen2"), ("qwen2", "mistral"), ("mistral", "mistral")])
 def test_batch_equals_one_call_each_with_bad_completions_in_place(toks, src, dst):
     tok = toks[src]

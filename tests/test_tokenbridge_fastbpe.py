@@ -35,6 +35,7 @@ def reference_ids(enc, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in enc.plain.encode_batch_fast(texts, add_special_tokens=False)]
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_byte_level_destinations_get_this_encode_and_sentencepiece_is_refused_it(encoders):
     """Mistral's SentencePiece BPE has an encode of its own (tests/test_tokenbridge_fastspm.py)."""
     for name, expected in (("gpt2", True), ("qwen2", True), ("mistral", False)):
@@ -59,6 +60,7 @@ def test_every_codepoint_in_every_context_is_cut_and_merged_as_tokenizers_does(e
     assert not wrong
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("name", FAST)
 def test_every_token_alone_and_random_joins_of_tokens_encode_as_tokenizers_does(encoders, name):
     """Whole words that are tokens (tiktoken takes them whole) and words whose merges meet across tokens."""
@@ -74,6 +76,7 @@ def test_every_token_alone_and_random_joins_of_tokens_encode_as_tokenizers_does(
     assert not wrong, wrong[:5]
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("change", [
     "a pattern it has not been checked with", "a normalizer other than NFC", "an added token that is not special",
     "merges out of rank order", "a merge dropout",

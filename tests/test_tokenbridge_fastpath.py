@@ -62,6 +62,7 @@ def check(out, toks, src: str, dst: str, ids: list[int], n_end: int) -> None:
             assert toks[dst].decode(dst_body) == decoded_view(dst, out.text[:c])
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda p: str(p))
 @pytest.mark.parametrize("text", RISKY, ids=lambda t: repr(t)[:24])
 def test_risky_text_alone_and_with_eos(toks, src, dst, text):
@@ -74,6 +75,7 @@ def test_risky_text_alone_and_with_eos(toks, src, dst, text):
         check(bridge(full), toks, src, dst, full, n_end)
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda p: str(p))
 @SETTINGS
 @given(texts=st.lists(TEXTS, min_size=1, max_size=5), seed=st.integers(0, 2**32 - 1))

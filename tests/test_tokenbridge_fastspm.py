@@ -89,6 +89,7 @@ def test_a_whole_completion_encodes_as_the_destination_does(mistral):
     assert out.dst_ids.tolist() == tok.encode(text, add_special_tokens=False) == enc.fast(text)
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("change", [
     "ignore_merges", "merges of one piece apart", "a split that is no merge", "a missing byte token",
     "another normaliser", "a piece with a space inside", "an added token that is not special", "a merge dropout",

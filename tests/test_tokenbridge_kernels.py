@@ -51,6 +51,7 @@ def words_of_length(tok, n_bytes: int, count: int = 3) -> list[int]:
     raise AssertionError(f"no {n_bytes}-byte word in the vocabulary")
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda p: str(p))
 def test_tokens_either_side_of_the_inline_limit(toks, src, dst):
     """Source ids whose tokens hold INLINE_BYTES - 1 to 2 * INLINE_BYTES + 1 bytes (inline in a record or
@@ -192,6 +193,7 @@ print(repr(out))
 """
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_without_numba_the_kernels_run_as_python_and_bridge_alike(tmp_path_factory):
     """The GPU check's wheelhouse leaves numba out (llvmlite is 58 MB): the loops then run as plain Python and
     must bridge exactly as compiled, each tokenizer as source and as destination."""

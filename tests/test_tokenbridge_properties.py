@@ -62,6 +62,7 @@ def group_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return np.array([values[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda p: str(p))
 @SETTINGS
 @given(text=TEXTS, seed=st.integers(0, 2**32 - 1))

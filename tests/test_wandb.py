@@ -153,6 +153,7 @@ def test_a_failing_wandb_is_one_warning_line_and_never_raises(tmp_path, capsys):
     assert err.startswith("warning: W&B logging of") and "\n" not in err, err
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_monitor_wandb_logs_a_finished_run(tmp_path):
     run_dir = write_run(tmp_path / "run", prompts=0)
     (run_dir / "run_result.json").write_text("{}")

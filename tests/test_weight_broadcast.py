@@ -155,6 +155,7 @@ def test_a_ticket_taken_by_a_generator_that_died_is_skipped(board) -> None:
     assert LOST_TICKET_S < ANSWER_S
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_leader_that_follows_stops_serving_and_serves_again_when_it_leads_again(board) -> None:
     _, start = board
     first, second, gen = start(_leader, "w0"), start(_leader, "w2"), start(_generator, "w1")

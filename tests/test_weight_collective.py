@@ -8,11 +8,12 @@ from __future__ import annotations
 import datetime
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.runtime.rundir import free_port
+from gloo_ranks import spawn_ranks
 from engine.weights.collective import WeightSyncError, manifest, plan, receive, send
 
 BUCKET = 64 << 10  # small, so a tiny model takes many buckets
@@ -57,10 +58,11 @@ def _rank(rank: int, endpoint: str, out: str, receiver_width: int, timeout_s: fl
 
 def _run(tmp_path, receiver_width: int, timeout_s: float) -> tuple[dict, dict]:
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(f"tcp://127.0.0.1:{free_port()}", out, receiver_width, timeout_s), nprocs=2, join=True)
+    spawn_ranks(_rank, (f"tcp://127.0.0.1:{free_port()}", out, receiver_width, timeout_s), 2)
     return torch.load(f"{out}.0"), torch.load(f"{out}.1")
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_generator_receives_the_learners_weights_bit_for_bit_in_its_dtype(tmp_path) -> None:
     learner, generator = _run(tmp_path, receiver_width=64, timeout_s=60)
     assert "error" not in learner and "error" not in generator
@@ -73,6 +75,7 @@ def test_a_generator_receives_the_learners_weights_bit_for_bit_in_its_dtype(tmp_
     assert learner["sent1"] == 2 * sum(t.numel() for t in learner["want1"].values())  # bf16 on the wire
 
 
+@pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_a_receiver_of_another_model_fails_at_once_and_the_sender_within_the_time_out(tmp_path) -> None:
     learner, generator = _run(tmp_path, receiver_width=32, timeout_s=5)
     assert "not the same model, dtype or bucket size" in generator["error"]
