@@ -14,19 +14,21 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from tokenizers import normalizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from tokenbridge.cachedir import default_cache_root
 from tokenbridge.errors import TokenizerLoadError
 
-RECIPE_VERSION = "1"  # bump when a converter below changes, to invalidate cached conversions
+SPACE = "\u2581"  # SentencePiece's escaped space
+RECIPE_VERSION = "2"  # bump when a converter below changes, to invalidate cached conversions
 
 # Qwen2's pre-tokenizer split pattern (single digits, unlike cl100k's \p{N}{1,3}).
 QWEN2_SPLIT_PATTERN = (
@@ -63,16 +65,59 @@ def _build_gpt2(src: dict[str, Path]) -> PreTrainedTokenizerFast:
 
 
 def _build_mistral(src: dict[str, Path]) -> PreTrainedTokenizerFast:
-    # transformers' SentencePiece conversion follows the model's own normalizer spec (dummy prefix,
-    # whitespace escaping, byte fallback) and matches SentencePieceProcessor.encode.
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(src["model"], Path(tmp) / "tokenizer.model")
-        tok = PreTrainedTokenizerFast.from_pretrained(tmp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    # built here from the model's own settings, not by transformers' conversion, which changed between the
+    # versions this project supports (5.12's drops the dummy prefix: "Hello" became "Hello", not "▁Hello")
+    tok = PreTrainedTokenizerFast(tokenizer_object=sentencepiece_bpe(src["model"]), bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>")
     # Llama/Mistral prepend BOS when special tokens are requested (the prompt), never EOS.
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.convert_tokens_to_ids("<s>"))]
     )
     return tok
+
+
+def sentencepiece_bpe(model_file: Path) -> Tokenizer:
+    """A SentencePiece BPE model file as a `tokenizers` Tokenizer that encodes as SentencePieceProcessor does.
+
+    What SentencePiece does, in its order: the normalizer spec (character map, extra spaces removed, spaces
+    escaped as "▁", a dummy "▁" before the text), then BPE whose merge of two pieces ranks by the score of the
+    piece it makes (ties: the lower id); unknown characters fall back to byte pieces; user-defined pieces
+    are never merged into."""
+    from sentencepiece import sentencepiece_model_pb2  # protobuf: both dependencies already
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
+        raise TokenizerLoadError(f"{model_file} is not a SentencePiece BPE model")
+    vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+    normal = {piece.piece: (piece.score, i) for i, piece in enumerate(proto.pieces) if piece.type == piece.NORMAL}
+    ranked = sorted((-score, i, word[:cut], word[cut:]) for word, (score, i) in normal.items()
+                    for cut in range(1, len(word)) if word[:cut] in normal and word[cut:] in normal)
+    user_defined = sorted((piece.piece for piece in proto.pieces if piece.type == piece.USER_DEFINED), key=len,
+                          reverse=True)  # the longest first: an alternation takes the first that matches
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
+                                   unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback,
+                                   ignore_merges=bool(user_defined)))
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:  # spaces only: SentencePiece leaves newlines and tabs alone
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", SPACE))
+    splits = []
+    unescape = [decoders.Replace(SPACE, " "), *([decoders.ByteFallback()] if trainer.byte_fallback else [])]
+    if spec.add_dummy_prefix:  # Metaspace adds no "▁" before a text that starts with one; SentencePiece does
+        steps.append(normalizers.Replace(Regex(r"\A" + SPACE), SPACE * 2))
+        splits.append(pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always", split=False))
+        backend.decoder = decoders.Sequence([*unescape, decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    else:
+        backend.decoder = decoders.Sequence([*unescape, decoders.Fuse()])
+    if user_defined:  # emitted whole, never merged into: cut out before the merges see them
+        splits.append(pre_tokenizers.Split(Regex("|".join(map(re.escape, user_defined))), behavior="isolated"))
+    if splits:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    backend.normalizer = normalizers.Sequence(steps)
+    return backend
 
 
 class _LocalTikTokenConverter(TikTokenConverter):
