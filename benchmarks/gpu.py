@@ -101,16 +101,15 @@ def _bare_loop(backend, prompts: list[list[int]], new: int, device) -> float:
     """The same model, batch and static cache: prefill, then one argmax token per step, nothing else."""
     from transformers import StaticCache
 
-    from policies.backend import cache_kwargs
-
     ids = torch.tensor(prompts, device=device)
+    name = backend.cache_argument
     cache = StaticCache(config=backend.model.config, max_cache_len=ids.shape[1] + new)
     _sync(device)
     started = time.perf_counter()
-    out = backend.model(input_ids=ids, **cache_kwargs(backend.model, cache), logits_to_keep=1)
+    out = backend.model(input_ids=ids, **{name: cache}, use_cache=True, logits_to_keep=1)
     for _ in range(new):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        out = backend.model(input_ids=nxt, **cache_kwargs(backend.model, cache), logits_to_keep=1)
+        out = backend.model(input_ids=nxt, **{name: cache}, use_cache=True, logits_to_keep=1)
     _sync(device)
     return time.perf_counter() - started
 

@@ -73,15 +73,15 @@ class GenerationBackend(Protocol):
         ...
 
 
-def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
-    """The KV cache as ``model.forward`` takes it: ``cache=`` from transformers 5.24 on, ``past_key_values=``
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24 on, ``past_key_values``
     before. An older forward takes the new name into ``**kwargs`` and drops it without a word, so asking
     the signature is the only safe way: a cache passed under the wrong name stays empty."""
     params = inspect.signature(model.forward).parameters
     name = "cache" if "cache" in params else "past_key_values"
     if name not in params:
         raise TypeError(f"{type(model).__name__}.forward takes neither cache= nor past_key_values=")
-    return {name: cache, "use_cache": True}
+    return name
 
 
 def request_rows(prompts: list[list[int]], num_samples: int, temperature: float) -> list[list[int]]:
@@ -113,6 +113,7 @@ class HFBackend:
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.cache_argument = cache_argument(self.model)  # asked once: not on every decoding step
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
@@ -189,7 +190,8 @@ class HFBackend:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                **cache_kwargs(self.model, cache),
+                **{self.cache_argument: cache},
+                use_cache=True,
                 logits_to_keep=1,
             )
             next_ids, next_lp = self._pick_open(out.logits[:, -1].float(), over, temperature, generator)  # (b,)

@@ -71,7 +71,7 @@ _rendezvous: list = []  # the store must outlive the group
 # NCCL's defaults tear the whole process down when a collective times out (a dead peer): the failure policy
 # that holds on gloo (the collective raises, the survivor goes on) needs the wait to block and raise, and a
 # failed communicator to be aborted without ending the process. Read when an NCCL group is made, so every
-# worker sets them first (worker_environment); ours win over the user's, whose values would kill workers.
+# worker sets them first (set_nccl_failure_env, in engine.roles.worker); ours win over the user's, whose values would kill workers.
 NCCL_FAILURE_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 

@@ -74,8 +74,8 @@ def _pair(store: dist.TCPStore, prefix: str, rank: int, device: torch.device, ti
         else:
             group = dist.ProcessGroupGloo(store, rank, 2, timeout)
         # NCCL connects on the first collective, so a peer that died before it would only show in the first
-        # sync; one all-reduce now makes formation fail here, on NCCL as on gloo (group.nccl_failure_env: the
-        # wait raises at the time-out)
+        # sync; one all-reduce now makes formation fail here, on NCCL as on gloo (engine.train.group.NCCL_FAILURE_ENV:
+        # the wait raises at the time-out)
         hello = torch.ones(1, device=device)
         group.allreduce([hello]).wait()
         if int(hello.item()) != 2:
