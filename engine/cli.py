@@ -32,8 +32,8 @@ def open_run(args: argparse.Namespace):
 
     try:
         cfg = load_run_config(args.config, args.overrides)
-        _start_actor_server()  # a config refused above costs no second interpreter; one that loads overlaps it
-        preflight(cfg)
+        _start_actor_server()  # a config refused above costs no second interpreter; the pre-flight forks it
+        preflight(cfg, forked=True)
         run_dir = make_run_dir(args.run_dir)
     except (ConfigError, FileExistsError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -43,26 +43,23 @@ def open_run(args: argparse.Namespace):
     return cfg, run_dir
 
 
-def preflight(cfg) -> None:
-    """Fail before starting anything if a tokenizer or the task cannot be loaded, or LoRA cannot adapt a model."""
-    from engine.config import ConfigError, model_spec, tokenizer_cache
-    from policies.lora import lora_problem
-    from policies.models import skeleton
+def preflight(cfg, forked: bool = False) -> None:
+    """Fail before starting anything if a tokenizer or the task cannot be loaded, or LoRA cannot adapt a model.
+
+    ``forked``: the tokenizers are loaded in a fork of the actor server, which has torch and transformers
+    imported already, so that the launcher never imports them (3-5 s of CPU a run)."""
+    from engine.config import ConfigError
     from tasks.jsonl import TaskFileError
     from tasks.registry import make_task
-    from tokenbridge import TokenizerLoadError, load_tokenizer
 
-    for i, m in enumerate(cfg.models):
-        try:
-            tok = load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
-        except TokenizerLoadError as exc:
-            raise ConfigError(f"models.{i}.tokenizer: {exc}") from None
-        if m.lora is not None:  # a target the model lacks: now, not in every worker after the warm start
-            if problem := lora_problem(skeleton(model_spec(m), tok), m.lora):
-                raise ConfigError(f"models.{i}.lora: {problem}")
-        if m.generation.backend == "sglang" and m.generation.sglang_url:
-            if problem := _unreachable(m.generation.sglang_url) or _unservable(m.generation):
-                raise ConfigError(f"models.{i}.generation.sglang_url: {problem}")
+    if forked:
+        from engine.runtime import actors
+
+        problem = actors.call_forked(_model_problem, cfg)
+    else:
+        problem = _model_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     try:
         make_task(cfg.task)
     except (OSError, ValueError, TaskFileError) as exc:
@@ -74,6 +71,29 @@ def preflight(cfg) -> None:
             controller_config(cfg)
         except ValueError as exc:
             raise ConfigError(f"pool.controller: {exc}") from None
+
+
+def _model_problem(cfg) -> str | None:
+    """The first model whose tokenizer does not load, LoRA targets what it lacks or sglang server cannot serve
+    it, as the line to print; None when every model can start."""
+    from engine.config import model_spec, tokenizer_cache
+    from tokenbridge import TokenizerLoadError, load_tokenizer
+
+    for i, m in enumerate(cfg.models):
+        try:
+            tok = load_tokenizer(m.tokenizer, tokenizer_cache(cfg))
+        except TokenizerLoadError as exc:
+            return f"models.{i}.tokenizer: {exc}"
+        if m.lora is not None:  # a target the model lacks: now, not in every worker after the warm start
+            from policies.lora import lora_problem
+            from policies.models import skeleton
+
+            if problem := lora_problem(skeleton(model_spec(m), tok), m.lora):
+                return f"models.{i}.lora: {problem}"
+        if m.generation.backend == "sglang" and m.generation.sglang_url:
+            if problem := _unreachable(m.generation.sglang_url) or _unservable(m.generation):
+                return f"models.{i}.generation.sglang_url: {problem}"
+    return None
 
 
 def _unreachable(url: str, timeout_s: float = 5.0) -> str | None:
@@ -154,7 +174,8 @@ def refuse_nodes(node) -> None:
 
 
 def _start_actor_server() -> None:
-    """The actors' fork server loads torch while this process runs its pre-flight checks (two cores, not one)."""
+    """The actors' fork server: it loads torch and transformers, this process never does (the pre-flight's
+    tokenizers load in a fork of it: ``preflight``)."""
     from engine.runtime import actors
 
     actors.start_server()
@@ -224,7 +245,7 @@ def resume_command(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--set {key}: a resumed run keeps what it trained with; only "
                                   f"{', '.join(RESUMABLE)} may change")
         cfg = load_run_config(str(run_dir / "config.toml"), args.overrides)
-        preflight(cfg)
+        preflight(cfg, forked=True)
     except (ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         _stop_actor_server()

@@ -30,7 +30,7 @@ import msgspec
 
 from engine.config import RunConfig
 from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
-from engine.roles.worker import WorkerPlan
+from engine.roles.plan import WorkerPlan
 from engine.runtime import actors
 from engine.outcome import RunResult, report, useful_prompts, write_result
 from engine.runtime.cluster import ClusterError, Node, curve_server, node_of
@@ -47,8 +47,7 @@ from engine.schedule.allocator import make_allocator
 from engine.schedule.dispatch import Dispatch
 from engine.schedule.roster import Roster
 from engine.stopping import halt, shutdown
-from engine.weights.ends import weights_board
-from engine.weights.channel import channel_root
+from engine.weights.places import channel_root, weights_board
 from exchange.protocol import Stats
 from tasks.registry import make_task
 

@@ -8,11 +8,9 @@ import sys
 
 import msgspec
 
-from engine.config import tokenizer_cache
 from engine.runtime.display import print_summary
 from engine.runtime.rundir import mark
 from engine.schedule.audit import Audit, audit_log
-from tokenbridge import load_tokenizer
 
 
 class RunResult(msgspec.Struct):
@@ -40,10 +38,10 @@ def useful_prompts(c) -> set[int]:
     return set.intersection(*stayed) if stayed else set()
 
 
-def vocab_sizes(cfg) -> dict[str, int]:
-    """Each model's vocabulary size (its tokenizer, from the cache the workers filled)."""
-    cache = tokenizer_cache(cfg)
-    return {m.name: len(load_tokenizer(m.tokenizer, cache)) for m in cfg.models}
+def vocab_sizes(c) -> dict[str, int] | None:
+    """Each model's vocabulary size, as its warm start's process read it from the tokenizer (None before)."""
+    sizes = {p.model: p.vocab_size for p in c.preps}
+    return sizes if len(sizes) == len(c.names) else None
 
 
 def write_result(c) -> RunResult:
@@ -51,7 +49,7 @@ def write_result(c) -> RunResult:
     stayed = [m for m in c.names if m not in c.failures.left]
     audit = audit_log(c.run_dir / "experience_log", stayed, c.cfg.train.group_size, c.trained,
                       {m: f.queued_prompt_ids for m, f in c.finals.items()}, c.dispatch.done_prompts,
-                      c.dispatch.retaken, c.run_dir.name, vocab_sizes(c.cfg))
+                      c.dispatch.retaken, c.run_dir.name, vocab_sizes(c))
     duration = max(c.t_stop - c.t_start, 1e-9)
     samples = len(c.useful) * c.cfg.train.group_size * len(stayed)
     result = RunResult(duration_s=round(duration, 2), useful_prompts=len(c.useful), useful_samples=samples,

@@ -3,11 +3,15 @@
 Plain msgspec Structs with no torch or transformers behind them, so a run config decodes (and a
 mistake in it is reported) in a fraction of a second; ``policies.models`` and ``policies.lora``
 build from them. ``arch`` is checked against the installed transformers by ``causal_lm_families``
-in the config's validation, the one place that pays for importing it.
+in the config's validation, which reads transformers' table of families without importing it.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -39,8 +43,36 @@ class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     targets: list[str] = []  # module names (e.g. ["q_proj", "v_proj"]); [] = peft's default for the family
 
 
+@functools.cache
 def causal_lm_families() -> list[str]:
-    """Every model_type AutoModelForCausalLM can build (imports transformers: about 2 s)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Every model_type AutoModelForCausalLM can build.
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    Read from the installed transformers' own table without importing it: importing the table imports
+    torch (3 s of CPU in the launcher, which checks configs and needs neither); a transformers whose
+    table is no longer a plain literal is imported instead."""
+    names = _literal_mapping_keys("models/auto/modeling_auto.py", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    if names is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        names = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted(names)
+
+
+def _literal_mapping_keys(relative: str, name: str) -> list[str] | None:
+    """The keys of ``name = OrderedDict([(key, value), ...])`` in a transformers source file, or None."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        tree = ast.parse((Path(spec.origin).parent / relative).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
+                and isinstance(node.value, ast.Call) and len(node.value.args) == 1):
+            try:
+                pairs = ast.literal_eval(node.value.args[0])
+            except ValueError:
+                return None
+            return [key for key, _ in pairs]
+    return None

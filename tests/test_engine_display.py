@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_live_line_names_its_sample_sizes_and_received_vs_used():
     cfg = load_run_config(ROOT / "configs/default.toml")
-    preps = [PrepResult(model=m, checkpoint="", warm_accuracy=0.2, warm_accuracy_stderr=0.01, eval_n=2000)
+    preps = [PrepResult(model=m, checkpoint="", warm_accuracy=0.2, warm_accuracy_stderr=0.01, eval_n=2000, vocab_size=100)
              for m in cfg.names]
     display = LiveDisplay(cfg, preps, enabled=False)
     assert f"acc@{cfg.eval.num_problems} 0.200" in display.line("gpt2")  # the warm start's, on the full set

@@ -25,6 +25,9 @@ def test_a_sharded_group_trains_reforms_and_hands_over_exactly(tmp_path, engine_
     # pool-key order: w0 generates gpt2, w1 llama, w2 learns gpt2, w3 (leader) + w4 learn llama
     run = Run(tmp_path / "run", engine_cache, *static_pool(5, 12, (1, 1, 1, 2)), *SHARDED, "pool.weights=channel",
               "run.checkpoint_every=3", "run.keep_checkpoints=10",
+              # one step ahead at most: llama's steps 5-7 are generated after the move, by w4 (with more, w1
+              # may have generated them before it moved, on a loaded machine)
+              "train.max_inflight_steps=1",
               # from llama's step 4 to 7 the follower w4 is llama's only generator (w1 helps gpt2 meanwhile)
               script(("llama", 4, "w4", "generator", "llama"), ("llama", 4, "w1", "generator", "gpt2"),
                      ("llama", 7, "w4", "learner", "llama"), ("llama", 7, "w1", "generator", "llama")),

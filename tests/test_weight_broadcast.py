@@ -18,7 +18,7 @@ import torch
 
 from engine.config.schema import RunConfig
 from engine.weights.broadcast import LOST_TICKET_S, BroadcastReader, BroadcastWriter, open_board
-from engine.weights.ends import broadcasts
+from engine.weights.places import broadcasts
 
 ANSWER_S = 60.0
 

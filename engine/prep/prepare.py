@@ -3,6 +3,9 @@
 One process per model, in parallel (the warm starts are independent). The result for
 model m is the warm-start checkpoint directory and its evaluation, written as JSON into
 that directory so a later run on this machine reuses both.
+
+``prepare_all`` runs in the coordinator, which never imports torch or transformers (the launcher's
+CPU per run); ``prepare_model`` runs in the children, forked from the actor server that has them loaded.
 """
 
 from __future__ import annotations
@@ -17,11 +20,7 @@ from pathlib import Path
 import msgspec
 
 from engine.config import RunConfig, cache_root, model_spec, tokenizer_cache
-from engine.prep.evaluation import held_out_accuracy
-from engine.prep.warmstart import warm_start, warm_start_path
 from engine.runtime import actors
-from tasks.registry import make_task
-from tokenbridge import load_tokenizer
 
 
 class PrepFailed(RuntimeError):
@@ -42,6 +41,7 @@ class PrepResult(msgspec.Struct, frozen=True):
     warm_accuracy: float
     warm_accuracy_stderr: float
     eval_n: int
+    vocab_size: int  # the tokenizer's: the coordinator's audit checks token ids against it without loading it
 
 
 async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]) -> list[PrepResult]:
@@ -73,6 +73,10 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
 
 def prepare_model(payload: bytes) -> int:
     """Process entry: warm-start one model (cached), evaluate it (cached), write the result."""
+    from engine.prep.warmstart import warm_start, warm_start_path
+    from tasks.registry import make_task
+    from tokenbridge import load_tokenizer
+
     plan = msgspec.msgpack.decode(payload, type=PrepPlan)
     cfg = plan.config
     m = cfg.models[plan.model_index]
@@ -86,7 +90,7 @@ def prepare_model(payload: bytes) -> int:
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
-                        eval_n=n)
+                        eval_n=n, vocab_size=len(tokenizer))
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
 
@@ -104,6 +108,8 @@ def prep_device(cfg: RunConfig, model_index: int):
 
 def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path,
                  name: str) -> tuple[float, float, int]:
+    from engine.prep.evaluation import held_out_accuracy
+
     ev = cfg.eval
     key = hashlib.sha256(msgspec.json.encode(
         {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.train.max_new_tokens}

@@ -28,12 +28,12 @@ import torch
 
 from engine.config import ModelConfig, RunConfig, model_spec, tokenizer_cache
 from engine.roles import generator, learner, learner_core
+from engine.roles.plan import WorkerPlan
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
 from engine.runtime.metrics import MetricsWriter
 from engine.train import group as dp
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
                                   WorkerPlane, WorkUnit)
-from exchange.security import ClientKeys
 from exchange.transport import Publisher
 from policies.backend import HFBackend
 from policies.lora import add_adapters, load_adapters
@@ -42,24 +42,6 @@ from tasks.registry import make_task
 from tokenbridge import load_tokenizer
 
 RoleOf = tuple[str, str]  # (role, model); model "" for idle
-
-
-class WorkerPlan(msgspec.Struct, frozen=True):
-    worker_id: str
-    device_index: int  # which device of the host (GPU index mod the count)
-    run_id: str
-    run_dir: str
-    config: RunConfig
-    broker_in: str
-    broker_out: str
-    plane: str
-    weights_root: str  # the run's weight channels on this machine (engine.weights.channel)
-    warm_checkpoints: dict[str, str]  # model -> warm-start checkpoint
-    warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
-    resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
-    weights_hub: str = ""  # a cluster's weight hub: a leader publishes there, not in this machine's channel
-    weights_board: str = ""  # pool.weights = "broadcast": the run's TCPStore (engine.weights.broadcast)
-    curve: ClientKeys | None = None  # a cluster's CurveZMQ keys: for the plane, the exchange and the weight hub
 
 
 def start_module(cfg: RunConfig, m: ModelConfig, tok, warm: str, resume: str | None) -> torch.nn.Module:

@@ -15,6 +15,7 @@ never touches a device, so forking it is safe; it leaves when its launcher does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import importlib
@@ -29,7 +30,8 @@ from multiprocessing import forkserver
 
 _CTX = mp.get_context("forkserver")
 # What every actor imports: loaded once, in the fork server (an import that fails there is only skipped).
-_CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engine.runtime.hub", "uvloop"])
+_CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engine.prep.warmstart",
+                             "engine.prep.evaluation", "engine.runtime.hub", "tokenbridge.loading", "uvloop"])
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 DRAIN_ZMQ_S = 3.0  # how long an exiting actor lets ZeroMQ send what it holds (the worker plane's linger is 2 s)
 
@@ -166,6 +168,15 @@ def spawn(name: str, entry: str, payload: bytes, threads: int = 1) -> Actor:
     start_server()
     proc.start()
     return Actor(name=name, process=proc)
+
+
+def call_forked(func, *args):
+    """``func(*args)`` run in a fork of the server: its return value here, or its exception raised here.
+    For work that needs torch or transformers on behalf of a process that never imports them (the
+    launcher's pre-flight); ``func`` and its arguments must pickle."""
+    start_server()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=_CTX) as pool:
+        return pool.submit(func, *args).result()
 
 
 def stop_all(actors: list[Actor], grace_s: float = 10.0) -> None:

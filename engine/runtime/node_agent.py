@@ -19,7 +19,7 @@ from pathlib import Path
 from engine.runtime import actors
 from engine.runtime.cluster import HEARTBEAT_S, MARKER, SILENT_S, ClusterPlan, Node, address_toward, client_keys
 from engine.runtime.plane import ActorExited, NodeBeat, NodeDone, NodeHello, NodeStop, Signal, Spawn, ToNode, WorkerPlane
-from engine.weights.channel import channel_root
+from engine.weights.places import channel_root
 from engine.weights.relay import Relay
 
 

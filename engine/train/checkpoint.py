@@ -22,11 +22,10 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged
-from policies.models import save_policy
+if TYPE_CHECKING:
+    import torch
 
 LATEST = "latest"
 STATE, TRAINER = "state.json", "trainer.pt"
@@ -38,6 +37,11 @@ def model_dir(run_dir: str | os.PathLike, model: str) -> Path:
 
 def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     """Checkpoint ``core`` (an ``engine.roles.learner_core.LearnerCore``); returns the step directory."""
+    import torch  # here, not above: the coordinator reads checkpoints' paths and state without torch
+
+    from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged
+    from policies.models import save_policy
+
     root, version = model_dir(run_dir, core.model_name), core.state.version
     final = root / f"step-{version:06d}"
     if (root / LATEST).resolve() == final.resolve() and final.is_dir():
@@ -75,6 +79,8 @@ def read_state(step_dir: Path) -> dict:
 
 def restore(step_dir: Path, state, totals: dict, device: torch.device) -> set[int]:
     """Load the trainer state into ``state`` (a ``TrainState``) and ``totals``; returns the consumed prompts."""
+    import torch
+
     saved = read_state(step_dir)
     trainer = torch.load(step_dir / TRAINER, map_location=device, weights_only=True)
     state.optimizer.load_state_dict(trainer["optimizer"])

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -40,38 +38,6 @@ _STAMP = struct.Struct("<q")
 
 class WeightSyncError(RuntimeError):
     """Weights could not be published or loaded; the message says why."""
-
-
-OWNER = "owner.pid"  # the coordinator's pid, in a run's channel root
-
-
-def channel_root(run_id: str) -> Path:
-    """Where a run's channels live (shared memory when the host has it), claimed for this process.
-
-    A coordinator that was killed cannot remove its channels (the whole model, in RAM): the
-    next run on the host removes every root whose owner is no longer alive."""
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    for stale in base.glob("mutual-rl-*"):
-        if not _owner_alive(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-    root = base / f"mutual-rl-{run_id}"
-    root.mkdir(parents=True, exist_ok=True)
-    (root / OWNER).write_text(str(os.getpid()))
-    return root
-
-
-def _owner_alive(root: Path) -> bool:
-    try:
-        pid = int((root / OWNER).read_text())
-    except (OSError, ValueError):
-        return True  # no owner file (yet, or not ours) or unreadable: not ours to judge
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def sync_params(model: torch.nn.Module) -> list[torch.Tensor]:

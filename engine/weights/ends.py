@@ -5,29 +5,17 @@
 - else in a cluster: the leader sends to node 0's hub, each node's relay fills its channels (``relay``);
 - else: the machine's shared-memory channel (``channel``).
 
-Generators read a channel in both of the last two cases: a relay writes it as a leader would.
+Generators read a channel in both of the last two cases: a relay writes it as a leader would. Which case a
+run is in, the coordinator decides (``engine.weights.places``) and the worker's plan carries.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.weights.broadcast import BroadcastReader, BroadcastWriter, open_board
+from engine.weights.broadcast import BroadcastReader, BroadcastWriter
 from engine.weights.channel import WeightReader, WeightWriter
 from engine.weights.relay import RelayWriter
-
-
-def broadcasts(cfg) -> bool:
-    """``pool.weights`` of a run config, "auto" resolved on this machine: broadcast when every worker of a machine
-    has a GPU of its own (NCCL cannot pair two ranks on one GPU), else the channel (the CPU path)."""
-    if cfg.pool.weights != "auto":
-        return cfg.pool.weights == "broadcast"
-    return cfg.pool.device == "cuda" and torch.cuda.device_count() >= cfg.pool.workers_per_node()
-
-
-def weights_board(cfg, host: str) -> tuple[object, str]:
-    """The coordinator's board (a TCPStore on ``host``) and its address when the run broadcasts; (None, "") if not."""
-    return open_board(host) if broadcasts(cfg) else (None, "")
 
 
 def weight_writer(worker, model: str, module: torch.nn.Module):
