@@ -73,10 +73,20 @@ def _preflight(runs) -> None:
 
 
 def _missing_here(runs) -> list[str]:
+    from engine.config import cache_root
+    from policies.sources import SourceError, resolve
+
     missing = []
     for r in runs:
-        paths = [m.checkpoint for m in r.config.models if m.checkpoint] + [
-            m.tokenizer for m in r.config.models if "/" in m.tokenizer]
+        for m in r.config.models:  # a GGUF file, a package's file, a Hub id: found as the run will find them
+            try:
+                source = resolve(m.checkpoint, cache_root(r.config)) if m.checkpoint else None
+            except SourceError:
+                missing.append(m.checkpoint)
+                continue
+            if source is not None and source.gguf is None and not source.directory.exists():
+                missing.append(m.checkpoint)
+        paths = [m.tokenizer for m in r.config.models if "/" in m.tokenizer]
         task = r.config.task
         paths += [p for p in (getattr(task, "path", None), getattr(task, "eval_path", None)) if p]
         missing += [p for p in paths if not Path(p).exists()]

@@ -23,7 +23,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     name: str  # unique per run: names the model's topics, metrics and run-dir files
     arch: str  # the model_type (config.json) of a causal LM: picks the model class and the prompt template
-    tokenizer: str  # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir
+    # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir; "" = the checkpoint's own
+    tokenizer: str = ""
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
@@ -31,7 +32,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     n_kv_head: int | None = None  # not gpt2: grouped-query attention; None = n_head
     intermediate_size: int | None = None  # not gpt2: MLP width; None = GPT-2's parameter count
     tie_embeddings: bool = True  # the vocab matrix dominates tiny models: share it once
-    checkpoint: str | None = None  # a save_pretrained dir, loaded instead of built
+    # loaded instead of built: a save_pretrained dir, a .gguf file, pkg:PACKAGE/file.gguf or a Hub id in the Hub's
+    # cache (policies.sources); a loaded config holds the directory it resolved to
+    checkpoint: str | None = None
 
 
 class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from tasks.answers import AnswerRule, read_answer
 from tasks.base import Problem, Verdict, is_held_out, register_task
 
 Op = Literal["+", "-", "*"]
@@ -28,8 +29,13 @@ class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbi
     non_negative: bool = True  # for "-": larger operand first, so answers have no sign
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
     seed: int = 0
+    # the question as the model reads it; {expr} is "a op b" (the split is by expr, whatever the wording)
+    wording: str = "{expr}"  # e.g. "What is {expr}? Answer with the number only." for an instruct model
+    answer: AnswerRule = "exact"  # how the answer is read from a completion (tasks.answers)
 
     def __post_init__(self) -> None:
+        if "{expr}" not in self.wording or self.wording.count("{") != 1:
+            raise ValueError(f"wording {self.wording!r} must hold {{expr}} once and no other braces")
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
         if not self.ops:
@@ -78,19 +84,21 @@ class ArithmeticTask:
             a, b, op = self._operand(rng), self._operand(rng), rng.choice(self.config.ops)
             if op == "-" and self.config.non_negative and a < b:
                 a, b = b, a
-            question = f"{a} {op} {b}"
-            if is_held_out(question, self.config.eval_fraction) == held_out:
+            expr = f"{a} {op} {b}"
+            if is_held_out(expr, self.config.eval_fraction) == held_out:
                 answer = str(_APPLY[op](a, b))
-                return Problem(prompt_id=index, task=self.name, question=question, answer=answer)
+                return Problem(prompt_id=index, task=self.name, question=self.config.wording.format(expr=expr),
+                               answer=answer)
 
     def _operand(self, rng: random.Random) -> int:
         low = 0 if self.config.min_digits == 1 else 10 ** (self.config.min_digits - 1)
         return rng.randint(low, 10**self.config.max_digits - 1)
 
     def verify(self, problem: Problem, completion_text: str) -> Verdict:
-        """Correct iff the whole completion (whitespace aside) is the exact integer answer."""
-        text = completion_text.strip()
-        correct = _INTEGER.fullmatch(text) is not None and int(text) == int(problem.answer)
+        """Correct iff the answer read by the config's rule (the whole completion, by default) is the integer
+        result."""
+        text = read_answer(self.config.answer, completion_text)
+        correct = text is not None and _INTEGER.fullmatch(text) is not None and int(text) == int(problem.answer)
         return Verdict(reward=1.0 if correct else 0.0, verified=correct)
 
     def worked_solution(self, problem: Problem) -> str:

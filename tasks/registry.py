@@ -11,10 +11,12 @@ from __future__ import annotations
 from tasks.arithmetic import ArithmeticConfig
 from tasks.base import Task, registered_tasks
 from tasks.countdown import CountdownConfig
+from tasks.gym import GymConfig
 from tasks.jsonl import JsonlConfig
+from tasks.user import PythonConfig
 
 # Decoded from TOML as e.g. {kind = "countdown", n_numbers = 4}.
-TaskConfig = ArithmeticConfig | CountdownConfig | JsonlConfig
+TaskConfig = ArithmeticConfig | CountdownConfig | JsonlConfig | GymConfig | PythonConfig
 
 
 def task_names() -> list[str]:

