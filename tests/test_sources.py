@@ -15,7 +15,7 @@ import torch
 from engine.config import ConfigError, load_run_config
 from policies.models import load_policy
 from policies.templates import prompt_ids
-from tinygguf import CHAT_TEMPLATE, write_tiny_gguf
+from tinygguf import CHAT_TEMPLATE, write_odd_gguf, write_tiny_gguf
 from tokenbridge import load_tokenizer
 
 CONFIG = """
@@ -47,6 +47,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow  # a conversion in a child process, ~15 s of CPU (docs/testing.md)
+@pytest.mark.xdist_group("tiny_gguf")  # one worker converts the file, once
 def test_a_gguf_checkpoint_loads_as_the_model_it_holds_converted_once(tiny, tmp_path, capfd):
     gguf_file, written, cache = tiny
     cfg = load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"'))
@@ -68,6 +69,7 @@ def test_a_gguf_checkpoint_loads_as_the_model_it_holds_converted_once(tiny, tmp_
 
 
 @pytest.mark.slow  # the conversion's directory as the snapshot
+@pytest.mark.xdist_group("tiny_gguf")  # one worker converts the file, once
 def test_a_hub_id_resolves_to_its_snapshot_in_the_hubs_cache_and_is_never_downloaded(tiny, tmp_path, monkeypatch):
     gguf_file, _, cache = tiny
     converted = Path(load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"')).models[0].checkpoint)
@@ -100,14 +102,15 @@ def test_a_checkpoint_that_cannot_be_found_is_one_line_naming_the_key(tmp_path, 
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.slow  # a conversion in a child process
+@pytest.mark.slow  # a child process that imports transformers
 def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(tmp_path):
-    write_tiny_gguf(tmp_path / "odd.gguf", None, arch="nosucharch")
+    write_odd_gguf(tmp_path / "odd.gguf", "nosucharch")
     with pytest.raises(ConfigError, match=r"models\.0\.checkpoint: .*odd\.gguf: transformers cannot read this GGUF"):
         load_run_config(_config(tmp_path, tmp_path / "cache", f'checkpoint = "{tmp_path / "odd.gguf"}"'))
 
 
 @pytest.mark.slow  # the conversion, then 12 bridges
+@pytest.mark.xdist_group("tiny_gguf")  # one worker converts the file, once
 def test_a_gguf_models_own_tokenizer_joins_the_thl_both_ways_on_the_fast_encode(tiny, tmp_path):
     from tokenbridge import Bridge
     from tokenbridge.encoders import encoders_for

@@ -29,12 +29,23 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, cache_dir: Path, arch: str = "llama") -> torch.nn.Module:
+def write_odd_gguf(path: Path, arch: str) -> None:
+    """A GGUF file of another architecture: one tensor, no tokenizer (what is refused is the architecture)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((10, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tiny_gguf(path: Path, cache_dir: Path | None) -> torch.nn.Module:
     """Write the file; returns the model it holds (float32)."""
     tok = load_tokenizer("gpt2", cache_dir)
     model = build_policy(SPEC, tok, seed=3)
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
