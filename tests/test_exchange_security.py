@@ -67,11 +67,15 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
             await mallory.send(make_experience(i, "evil"))
         with pytest.raises(KeyRefused, match="refused this client's CURVE handshake"):  # an error, not a hang
             await asyncio.wait_for(mallory.sync(timeout=60), 30)  # ... long before its own time-out
-        blocking = BlockingPublisher(front, curve=keys["mallory"])  # the same, for code without an event loop
+        # the same, for code without an event loop, on a context of its own too (the process's shared instance
+        # holds whatever sockets earlier tests of this xdist worker left on it)
+        plain = zmq.Context()
+        blocking = BlockingPublisher(front, curve=keys["mallory"], context=plain)
         blocking.send(make_experience(0, "evil"))
-        with pytest.raises(KeyRefused):
-            await asyncio.wait_for(asyncio.to_thread(blocking.sync, 60), 30)
+        with pytest.raises(KeyRefused):  # its own time-out first: a thread left waiting would hold the loop's close
+            await asyncio.wait_for(asyncio.to_thread(blocking.sync, 25), 30)
         blocking.close(sync_timeout=None)
+        plain.term()
         alice = Publisher(front, curve=keys["alice"], context=ctx)
         for i in range(20):
             await alice.send(make_experience(i, "gpt2"))
