@@ -4,9 +4,11 @@ The fast path (`kernels.py`) needs the destination's token bytes to spell the te
 
 - the destination normalises to one Unicode form (Qwen2: NFC) and the text is not in that form:
   map the separable positions into the normalised text and align there (`_align_normalized`);
-- otherwise (a tokenizer whose decode is not its token bytes, a pre-tokenizer that drops text, the
-  SentencePiece marker U+2581 inside the text, ...): encode again with character offsets into the
-  original text and align by those (`_align_by_offsets`).
+- the destination's decode is its tokens' bytes and it does not normalise (byte-level BPE): its tokens
+  drop a byte its vocabulary lacks, so the text cannot cross (`AlignmentError`, never a silent misalignment);
+- otherwise (a tokenizer whose decode is not its token bytes, the SentencePiece marker U+2581 inside the
+  text, ...): encode again with character offsets into the original text and align by those
+  (`_align_by_offsets`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,24 @@ def slow_span(
 ) -> SpanAlignment:
     """Align one completion's body (source starts in `raw`'s bytes) with destination ids that do not spell it."""
     char_starts = char_start_mask(raw)
+    if dst.exact and not dst.unicode_form and not dst.strips_leading_space:  # its tokens are the text's bytes
+        raise AlignmentError(_unspelled(raw, dst.gather(dst_ids)[0]))
     if dst.exact and dst.unicode_form and not dst.strips_leading_space:
         dst_raw, dst_starts = dst.gather(dst_ids)
         return _align_normalized(dst.unicode_form, raw, dst_raw, src_starts, dst_starts, char_starts)
     encoding = encoder.encode(text, add_special_tokens=False)
     return _align_by_offsets(encoding, src_starts, raw, char_starts, dst.composes)
+
+
+def _unspelled(raw: bytes, dst_raw: bytes) -> str:
+    """Why a destination whose decode is its tokens' bytes, unnormalised, did not spell the text: its
+    vocabulary lacks a byte the text holds (SmolLM2's has no token for 0x16, nor for 0xF1, a 4-byte lead)."""
+    at = next((i for i, (a, b) in enumerate(zip(raw, dst_raw)) if a != b), min(len(raw), len(dst_raw)))
+    char = raw[:at].decode("utf-8", "ignore")
+    whole = raw.decode("utf-8")
+    missing = whole[len(char)] if len(char) < len(whole) else ""
+    what = f"U+{ord(missing):04X} (character {len(char)} of {len(whole)})" if missing else "the text's end"
+    return f"the destination's vocabulary cannot spell {what}: its tokens drop it; the completion cannot cross"
 
 
 def _separable_positions(raw: bytes) -> np.ndarray:
