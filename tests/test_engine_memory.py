@@ -3,6 +3,7 @@
 - ``held_bytes`` counts exactly params + grads + AdamW moments and step counters, shared storages once;
 - a worker in process switches roles with real tiny models and a real optimizer step: what it
   still holds after the release is only the module the new role reuses, and nothing dropped survives;
+  the process's resident memory drops with what it dropped (the C heap's free pages go back to the OS);
 The real run with switches is in tests/test_engine_pool.py.
 """
 
@@ -131,4 +132,7 @@ def test_switches_release_all_but_the_reused_module(worker):
     assert to_idle["held_bytes_after_release"] == to_idle["held_bytes_after_acquire"] == 0
     assert [r["released_alive"] for r in records] == [0] * 6  # nothing dropped outlives the release
     assert all(r["device_bytes_before"] is None for r in records)  # CPU: the allocator view is not measured
+    for r in (to_gen, to_llama):  # the machine gets the learner state back: the C heap's free pages are trimmed
+        freed = r["held_bytes_before"] - r["held_bytes_after_release"]
+        assert r["rss_before"] - r["rss_after_release"] >= freed // 2, (r, freed)
     assert worker.learners == {} and worker.policies == {}

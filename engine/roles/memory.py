@@ -11,18 +11,23 @@ what to drop (see the role-switch section of engine/MWRA.md).
   the allocator, so a CPU run measures the same thing a GPU run would hold.
 - ``device_bytes`` is the CUDA allocator's view (``torch.cuda.memory_allocated``):
   it also sees memory nobody references any more but that is not yet freed.
+- ``process_rss`` is the whole process's resident memory, as the OS sees it: what a role switch gives
+  back to the machine on a CPU (a module's storages are large allocations, returned on free).
 - ``release`` collects reference cycles, then (CUDA only) returns cached blocks to
   the driver, so the next role, or another process, can allocate them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
+import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -86,9 +91,23 @@ def device_bytes(device: torch.device | str) -> int | None:
     return int(torch.cuda.memory_allocated(device))
 
 
+def process_rss() -> int:
+    """Bytes of this process resident in memory (its RSS)."""
+    return psutil.Process().memory_info().rss
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc only): tensors freed on a CPU otherwise stay resident
+    in the allocator's arenas, and the machine does not get the old role's memory back."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def release() -> None:
-    """Free what nothing references any more: cycles first, then (CUDA) the allocator's cached blocks."""
+    """Free what nothing references any more: cycles first, then the C heap's free pages, then (CUDA) the
+    allocator's cached blocks."""
     gc.collect()
+    _trim_heap()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -101,7 +120,8 @@ def still_alive(refs: Iterable[weakref.ref]) -> int:
 class RoleSwitch(msgspec.Struct):
     """One role switch's memory, measured at three points: one ``role_switch`` line of metrics.jsonl.
 
-    ``device_*`` are the CUDA allocator's figures, None on any other device.
+    ``device_*`` are the CUDA allocator's figures, None on any other device; ``rss_*`` the process's resident
+    memory (``process_rss``).
     """
 
     worker: str
@@ -118,3 +138,6 @@ class RoleSwitch(msgspec.Struct):
     device_bytes_after_release: int | None
     held_bytes_after_acquire: int = 0
     device_bytes_after_acquire: int | None = None
+    rss_before: int = 0
+    rss_after_release: int = 0
+    rss_after_acquire: int = 0

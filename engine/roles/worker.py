@@ -29,7 +29,7 @@ import torch
 from engine.config import ModelConfig, RunConfig, model_spec, tokenizer_cache
 from engine.roles import generator, learner, learner_core
 from engine.roles.plan import WorkerPlan
-from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, release, still_alive
+from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, process_rss, release, still_alive
 from engine.runtime.metrics import MetricsWriter
 from engine.train import group as dp
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
@@ -194,14 +194,15 @@ class Worker:
         if old is None or old == new:
             return  # the first role is no switch; the same role again keeps what it has
         started = time.time()
-        before, dev_before = held_bytes(*self._holdings()), device_bytes(self.device)
+        before, dev_before, rss_before = held_bytes(*self._holdings()), device_bytes(self.device), process_rss()
         dropped, reused = self._drop_unreused(new)
         release()
         self._switch = RoleSwitch(
             worker=self.id, from_role=old[0], from_model=old[1], to_role=new[0], to_model=new[1], reused=reused,
             released_alive=still_alive(dropped), release_s=round(time.time() - started, 4),
             held_bytes_before=before, held_bytes_after_release=held_bytes(*self._holdings()),
-            device_bytes_before=dev_before, device_bytes_after_release=device_bytes(self.device))
+            device_bytes_before=dev_before, device_bytes_after_release=device_bytes(self.device),
+            rss_before=rss_before, rss_after_release=process_rss())
         if new[0] == "idle":
             self.acquired()  # idle takes nothing
 
@@ -247,6 +248,7 @@ class Worker:
             return
         switch.held_bytes_after_acquire = held_bytes(*self._holdings())
         switch.device_bytes_after_acquire = device_bytes(self.device)
+        switch.rss_after_acquire = process_rss()
         self.metrics.write(event="role_switch", **msgspec.structs.asdict(switch))
 
     async def main(self) -> None:
