@@ -6,6 +6,10 @@
   ("...so we carry the one.\\nAnswer: 42" reads "42"), a trailing full stop dropped.
 
 A rule that finds nothing reads None, which every verifier judges wrong.
+
+A task's worked solution (the warm start's target, ``sgt_ref``'s reference) is its ``solution`` template with
+the answer in it: ``"{answer}"`` (bare) by default, ``"The answer is {answer}."`` for a model that answers in
+words; the template must read back as the answer under the task's rule (``check_solution``).
 """
 
 from __future__ import annotations
@@ -32,3 +36,12 @@ def read_answer(rule: AnswerRule, completion: str) -> str | None:
         lines = _ANSWER_LINE.findall(completion)
         return lines[-1].removesuffix(".").strip() or None if lines else None
     raise ValueError(f"unknown answer rule {rule!r}; expected one of {', '.join(ANSWER_RULES)}")
+
+
+def check_solution(template: str, rule: AnswerRule) -> None:
+    """Raise ValueError unless ``template`` holds ``{answer}`` once and reads back as the answer under ``rule``."""
+    if template.count("{answer}") != 1 or template.count("{") != 1:
+        raise ValueError(f"solution {template!r} must hold {{answer}} once and no other braces")
+    for answer in ("-12", "7"):
+        if read_answer(rule, template.format(answer=answer)) != answer:
+            raise ValueError(f"solution {template!r} does not read back as its answer under answer = {rule!r}")

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from tasks.answers import AnswerRule, read_answer
+from tasks.answers import AnswerRule, check_solution, read_answer
 from tasks.base import Problem, Verdict, is_held_out, register_task
 
 Op = Literal["+", "-", "*"]
@@ -32,8 +32,10 @@ class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbi
     # the question as the model reads it; {expr} is "a op b" (the split is by expr, whatever the wording)
     wording: str = "{expr}"  # e.g. "What is {expr}? Answer with the number only." for an instruct model
     answer: AnswerRule = "exact"  # how the answer is read from a completion (tasks.answers)
+    solution: str = "{answer}"  # a worked solution (warm start, sgt_ref), e.g. "The answer is {answer}."
 
     def __post_init__(self) -> None:
+        check_solution(self.solution, self.answer)
         if "{expr}" not in self.wording or self.wording.count("{") != 1:
             raise ValueError(f"wording {self.wording!r} must hold {{expr}} once and no other braces")
         if self.min_digits > self.max_digits:
@@ -102,4 +104,4 @@ class ArithmeticTask:
         return Verdict(reward=1.0 if correct else 0.0, verified=correct)
 
     def worked_solution(self, problem: Problem) -> str:
-        return problem.answer
+        return self.config.solution.format(answer=problem.answer)

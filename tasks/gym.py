@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tasks.answers import AnswerRule, read_answer
+from tasks.answers import AnswerRule, check_solution, read_answer
 from tasks.base import Problem, Verdict, is_held_out, register_task
 
 
@@ -25,9 +25,13 @@ class GymConfig(msgspec.Struct, tag="rg", tag_field="kind", forbid_unknown_field
     dataset: str  # a reasoning-gym dataset name (reasoning_gym.factory.DATASETS), e.g. "basic_arithmetic"
     options: dict[str, Any] = {}  # the dataset's own config fields, e.g. {min_terms = 2, max_terms = 2}
     answer: AnswerRule = "last_number"  # how the answer is read from a completion (tasks.answers)
+    solution: str = "{answer}"  # a worked solution (warm start, sgt_ref), e.g. "The answer is {answer}."
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
     seed: int = 0
     size: Annotated[int, msgspec.Meta(ge=10)] = 1_000_000  # entries drawn from (training ids wrap around)
+
+    def __post_init__(self) -> None:
+        check_solution(self.solution, self.answer)
 
 
 def gym_problem() -> str | None:
@@ -100,4 +104,4 @@ class GymTask:
         return Verdict(reward=score, verified=score >= 1.0)
 
     def worked_solution(self, problem: Problem) -> str:
-        return problem.answer
+        return self.config.solution.format(answer=problem.answer)

@@ -79,6 +79,22 @@ def test_a_reasoning_gym_dataset_passes_its_options_and_holds_out_questions_it_n
     assert make_task(cfg.task).problem(1234) == train[1234]  # the same problems in every process
 
 
+def test_a_worked_solution_in_words_is_what_the_task_itself_judges_right():
+    """The warm start's target and sgt_ref's reference follow the task's ``solution`` template."""
+    gym = GymTask(GymConfig(dataset="chain_sum", solution="The answer is {answer}."))
+    arith = ArithmeticTask(ArithmeticConfig(answer="answer_line", solution="We add.\nAnswer: {answer}"))
+    for task in (gym, arith):
+        p = task.problem(3)
+        assert task.worked_solution(p).endswith((f"The answer is {p.answer}.", f"Answer: {p.answer}"))
+        assert task.verify(p, task.worked_solution(p)).verified
+    assert ArithmeticTask(ArithmeticConfig()).worked_solution(p) == p.answer  # bare by default
+    for template, rule, message in (("The answer is {answer}.", "exact", "does not read back"),
+                                    ("The answer is {x}.", "last_number", "must hold {answer} once"),
+                                    ("Answer: {answer} of {answer}", "answer_line", "must hold {answer} once")):
+        with pytest.raises(ValueError, match=message):
+            ArithmeticConfig(answer=rule, solution=template)
+
+
 @pytest.mark.parametrize("config, message", [
     (GymConfig(dataset="no_such_dataset"), r"reasoning-gym has no dataset 'no_such_dataset'"),
     (GymConfig(dataset="basic_arithmetic", options={"no_such_option": 1}), r"refused options"),
