@@ -28,7 +28,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def open_run(args: argparse.Namespace):
     """Config, pre-flight checks, a fresh run dir; bad input: one line on stderr, nothing written, None."""
     from engine.config import ConfigError, load_run_config
-    from engine.runtime.rundir import make_run_dir, write_resolved_config
+    from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
 
     try:
         cfg = load_run_config(args.config, args.overrides)
@@ -39,7 +39,7 @@ def open_run(args: argparse.Namespace):
         print(f"error: {exc}", file=sys.stderr)
         return None
     write_resolved_config(cfg, run_dir)
-    print(f"run dir: {run_dir}", flush=True)
+    print(announce(cfg, run_dir), flush=True)
     return cfg, run_dir
 
 
@@ -208,12 +208,14 @@ def train(cfg, run_dir, resume: bool = False, node=None) -> int:
 def finish_with_report(code: int, run_dir) -> int:
     """Every run ends with its report (``monitor.report``) when it trained at all; a report problem never
     changes the run's exit code."""
+    from engine.runtime.rundir import said_size
     from monitor.report import ReportError, write_report
 
     try:
         print(f"report: {write_report([run_dir])}", flush=True)
     except ReportError:
         pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
+    print(said_size(run_dir), flush=True)
     return code
 
 

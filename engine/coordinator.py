@@ -32,7 +32,7 @@ from engine.config import RunConfig
 from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
 from engine.roles.plan import WorkerPlan
 from engine.runtime import actors
-from engine.outcome import RunResult, report, useful_prompts, write_result
+from engine.outcome import RunResult, prompts_trained_by_all, report, write_result
 from engine.runtime.cluster import ClusterError, Node, curve_server, node_of
 from engine.runtime.display import LiveDisplay
 from engine.runtime.failures import FailurePolicy, RunFailed
@@ -106,7 +106,7 @@ class Coordinator:
                 await self._start()
                 await self.failures.watching(self._begin_and_drive())
                 self.t_stop = time.time()
-                self.useful = useful_prompts(self)
+                self.useful = prompts_trained_by_all(self)  # the useful rate counts these (the stop ends duration_s)
                 await halt(self)
                 result = write_result(self)
         except (RunFailed, PrepFailed, ClusterError) as exc:
@@ -151,6 +151,9 @@ class Coordinator:
         write_json(self.run_dir, "endpoints.json", hub.endpoints())
         self.say(f"watch the experience stream: {hub.tail_command()}")
         self.metrics = MetricsWriter(self.run_dir, "engine")
+        for p in self.preps:  # the run dir keeps what the launcher printed: stop_accuracy met, its cap, or the cache
+            self.metrics.write(event="warm_start", model=p.model, ended=p.warm_start_end, checkpoint=p.checkpoint,
+                               accuracy=p.warm_accuracy, accuracy_stderr=p.warm_accuracy_stderr, eval_n=p.eval_n)
         nodes = self.node.nodes if self.node else 1
         for i in range(self.cfg.pool.workers):
             self.spawn_worker(f"w{i}", node_of(i, self.cfg.pool.workers, nodes))

@@ -15,7 +15,8 @@ from engine.schedule.audit import Audit, audit_log
 
 class RunResult(msgspec.Struct):
     duration_s: float  # the RL phase, from the first dispatch to the stop
-    useful_prompts: int  # prompts every model still in the run generated AND trained on
+    trained_prompts: int  # prompts every model still in the run trained on, the steps finished while stopping included
+    useful_prompts: int  # of those, the ones trained within duration_s: the useful rate's count
     useful_samples: int
     useful_samples_per_s: float
     steps: dict[str, int]
@@ -32,8 +33,9 @@ class RunResult(msgspec.Struct):
     audit: Audit
 
 
-def useful_prompts(c) -> set[int]:
-    """Prompts every model still in the run has trained on (those after the stop do not count)."""
+def prompts_trained_by_all(c) -> set[int]:
+    """Prompts every model still in the run has trained on so far: taken at the stop for the useful rate (the
+    steps learners finish while stopping come after duration_s), and at the end for trained_prompts."""
     stayed = [c.trained[m] for m in c.names if m not in c.failures.left]
     return set.intersection(*stayed) if stayed else set()
 
@@ -52,7 +54,8 @@ def write_result(c) -> RunResult:
                       c.dispatch.retaken, c.run_dir.name, vocab_sizes(c))
     duration = max(c.t_stop - c.t_start, 1e-9)
     samples = len(c.useful) * c.cfg.train.group_size * len(stayed)
-    result = RunResult(duration_s=round(duration, 2), useful_prompts=len(c.useful), useful_samples=samples,
+    result = RunResult(duration_s=round(duration, 2), trained_prompts=len(prompts_trained_by_all(c)),
+                       useful_prompts=len(c.useful), useful_samples=samples,
                        useful_samples_per_s=samples / duration, steps=dict(c.dispatch.steps), moves=c.moves,
                        regroups=c.roster.regroups, handbacks=c.dispatch.handbacks,
                        lost_workers=c.failures.lost, respawned=c.failures.respawned,
@@ -67,13 +70,22 @@ def write_result(c) -> RunResult:
     return result
 
 
+def trained_by_every_model(result: RunResult) -> str:
+    """What the run trained, and (when a stop came mid-step) how much of it the useful rate counts."""
+    said = f"{result.trained_prompts} prompts trained by every model"
+    if result.useful_prompts == result.trained_prompts:
+        return f"{said} in {result.duration_s:.0f}s"
+    return (f"{said}, {result.useful_prompts} of them in the {result.duration_s:.0f}s before the stop (the useful "
+            "rate's count; the rest in steps finished while stopping)")
+
+
 def report(c, result: RunResult | None) -> int:
     """Summary, markers, exit code: 1 if the run failed, 128 + signal if a signal stopped it, else 0."""
     if c.preps and (c.finals or result is not None):
         print_summary(c.cfg, c.preps, c.finals)
     if result is not None:
         a = result.audit
-        c.say(f"[run] {result.useful_prompts} prompts trained by every model in {result.duration_s:.0f}s; "
+        c.say(f"[run] {trained_by_every_model(result)}; "
               f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
               f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
     if c.interrupted is not None:

@@ -36,11 +36,26 @@ class RunData:
 NOTABLE = ("resumed", "resume", "worker_lost", "model_left", "peer_gone", "peer_back", "verify_timeout")
 
 
+def before_rl(path: Path) -> str | None:
+    """What a run directory holds when its run never reached RL (a stop or a failure in the warm start, or a warm
+    start still going), as one sentence; None for any other directory. The launcher made it (config.toml), but
+    metrics.jsonl and endpoints.json come with RL: without this it would read as "not a run directory"."""
+    if not (path / "config.toml").is_file() or (path / "metrics.jsonl").exists() or (path / "endpoints.json").exists():
+        return None
+    for marker in ("INTERRUPTED", "FAILED"):
+        if (path / marker).is_file():
+            why = ((path / marker).read_text().strip() or marker.lower()).splitlines()[0].split(";")[0]
+            return f"{path}: this run ended before RL began ({why}); nothing to show"
+    return f"{path}: this run has not begun RL yet (its warm start is under way, or it was killed); nothing to show yet"
+
+
 def read_run(path: str | Path) -> RunData:
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
+    if said := before_rl(path):
+        raise ReportError(said)
     if not metrics.is_file():
         raise ReportError(f"{path}: not a run directory (no metrics.jsonl)")
     config = _config(path)

@@ -24,6 +24,7 @@ from exchange.protocol import Stats
 from exchange.security import ClientKeys, KeyFileError, KeyRefused
 from exchange.transport import Subscriber
 from monitor.live import LiveState
+from monitor.rundata import before_rl
 
 MONITOR_MAX_RATE = 500.0  # experiences/s the broker forwards to a monitor; past it the page shows a sample
 MAX_SILENCE_S = 2.0  # a replay waits at most this long between two events
@@ -41,6 +42,8 @@ def is_finished(run_dir: Path) -> bool:
 def check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise MonitorError(f"{run_dir}: no such run directory")
+    if said := before_rl(run_dir):
+        raise MonitorError(said)
     if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "endpoints.json").is_file():
         raise MonitorError(f"{run_dir}: not a run directory (neither metrics.jsonl nor endpoints.json)")
 

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import collections
 import glob
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from enginerun import Run
+from enginerun import ROOT, Run
 
+from engine.runtime.rundir import disk_usage
 from exchange.log import ExperienceLogReader
+from monitor.rundata import ReportError, read_run
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +46,32 @@ def test_smoke_run_completes_and_writes_its_run_dir(smoke_run):
         assert (Path(final["checkpoint"]) / "model.safetensors").exists()
     result = run.result()
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0 and result["audit"]["logged"] > 0
+    assert f"run dir: {run.run_dir}\n  the run writes there: metrics, the experience log and checkpoints" in run.out
+    size = re.search(rf"run dir: {re.escape(str(run.run_dir))}: ([\d.]+) MB on disk \(checkpoints ([\d.]+) MB\)",
+                     run.out)
+    assert size and 0 < float(size[2]) <= float(size[1]), run.out[-3000:]
+    assert abs(float(size[1]) - disk_usage(run.run_dir) / 1e6) < 0.5  # said after the last write
     assert run.leftover() == []  # no orphan processes ...
     own = [d for d in glob.glob(f"/dev/shm/mutual-rl-{run.run_dir.name}-*")  # this run's (other runs on the host
            if Path(d, "owner.pid").is_file() and Path(d, "owner.pid").read_text() == str(run.proc.pid)]  # may live)
     assert not own  # ... and no shared-memory slots
+
+
+def test_the_launcher_says_how_each_warm_start_ended_and_each_final_evaluation(smoke_run):
+    """On screen and in metrics.jsonl: stop_accuracy met or the cap (here from the session's cache), and a final
+    evaluation shorter than its progress lines' 5 s still says its result."""
+    run, code = smoke_run
+    assert code == 0
+    starts = {r["model"]: r for r in run.events("start")}
+    for model in ("gpt2", "llama"):
+        (record,) = run.events("warm_start", model)
+        ended = record["ended"]
+        assert re.fullmatch(r"loaded from cache \(it (reached stop_accuracy 0\.2 at step \d+|ran to its step cap 600) "
+                            r"with train accuracy .*\)", ended), ended
+        assert f"warm start {model}: {ended}\n" in run.out
+        assert record["accuracy"] == starts[model]["warm_accuracy"] and record["eval_n"] == 18
+        final = run.events("final", model)[-1]
+        assert f"eval {model} final (held-out): 18/18 problems, accuracy {final['accuracy']:.3f}, " in run.out
 
 
 def test_peer_experience_flows_through_the_thl(smoke_run):
@@ -120,6 +147,14 @@ def test_a_signal_in_the_rl_phase_stops_with_checkpoints_and_an_honest_run_dir(t
     interrupted = (run.run_dir / "INTERRUPTED").read_text()
     assert signal.Signals(sig).name in interrupted and "during the run" in interrupted and "gpt2 at step" in interrupted
     assert not (run.run_dir / "FAILED").exists()
+    result = run.result()  # run_result.json counts what metrics.jsonl shows trained, steps finished while stopping too
+    trained = [{p for s in run.steps(model) for p in s["prompts"]} for model in ("gpt2", "llama")]
+    assert result["trained_prompts"] == len(trained[0] & trained[1]) > 0
+    assert result["steps"] == {model: run.steps(model)[-1]["step"] for model in ("gpt2", "llama")}
+    assert result["useful_prompts"] <= result["trained_prompts"]
+    assert f"[run] {result['trained_prompts']} prompts trained by every model" in run.out
+    if result["useful_prompts"] < result["trained_prompts"]:
+        assert f"{result['useful_prompts']} of them in the " in run.out
     assert run.leftover() == []
 
 
@@ -132,6 +167,13 @@ def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
     assert "during the warm start" in (run.run_dir / "INTERRUPTED").read_text()
     assert "Traceback" not in run.out
     assert run.leftover() == []
+    # the directory the launcher named is a run's, one that ended before RL: monitor and report say so
+    out = subprocess.run([sys.executable, str(ROOT / "launch.py"), "monitor", str(run.run_dir), "--once"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    said = "this run ended before RL began (stopped by SIGINT during the warm start); nothing to show"
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {run.run_dir}: {said}", out
+    with pytest.raises(ReportError, match="this run ended before RL began"):
+        read_run(run.run_dir)
 
 
 def test_a_pause_of_the_whole_machine_is_not_silence(tmp_path, engine_cache):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import msgspec
@@ -11,7 +12,8 @@ import torch
 
 from engine.prep.evaluation import EvalResult, evaluate
 from engine.config.schema import WarmStartConfig
-from engine.prep.warmstart import WarmStartReport, _batch, warm_start, warm_start_path
+from engine.prep.warmstart import (WarmStartReport, _batch, warm_start, warm_start_and_end, warm_start_path,
+                                  why_it_stopped)
 from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import build_policy
@@ -86,6 +88,25 @@ def test_time_budget_stops_training(tmp_path: Path) -> None:
     assert 1 <= report.steps < 10**6 and report.seconds < 30
 
 
+def test_the_warm_start_says_where_and_why_it_stopped(tmp_path: Path) -> None:
+    """stop_accuracy is a goal the cap may cut short: the launcher says which end each model met."""
+    spec, tokenizer, task = tiny_spec("gpt2"), real_tokenizer("gpt2"), ArithmeticTask(ArithmeticConfig())
+    unreachable = msgspec.structs.replace(QUICK, steps=2, stop_accuracy=0.99, check_every=1, check_problems=4)
+    _, ended = warm_start_and_end(spec, tokenizer, task, unreachable, tmp_path, progress=False)
+    assert ended == "ran to its step cap 2 with train accuracy 0.00 at its last check, short of stop_accuracy 0.99"
+    _, again = warm_start_and_end(spec, tokenizer, task, unreachable, tmp_path, progress=False)
+    assert again == f"loaded from cache (it {ended})"
+    report = lambda steps, acc: WarmStartReport(steps, seconds=1.0, final_loss=0.5, train_accuracy=acc)  # noqa: E731
+    goal = WarmStartConfig(steps=600, stop_accuracy=0.55, check_every=50)
+    assert why_it_stopped(report(350, 0.56), goal) == "reached stop_accuracy 0.55 at step 350 with train accuracy 0.56"
+    assert why_it_stopped(report(600, 0.55), goal).startswith("reached stop_accuracy 0.55 at step 600")  # at the cap
+    assert why_it_stopped(report(30, None), msgspec.structs.replace(goal, steps=30)) == \
+        "ran to its step cap 30 before its first accuracy check (check_every=50 steps)"
+    timed = WarmStartConfig(steps=10**6, seconds=0.5)
+    assert why_it_stopped(report(7, None), timed) == "ran out of its time limit warmstart.seconds=0.5 at step 7 " \
+                                                     "(no stop_accuracy set)"
+
+
 def test_too_long_problems_are_a_clear_error(tmp_path: Path) -> None:
     spec = tiny_spec("gpt2", max_seq_len=8)
     with pytest.raises(ValueError, match="more than its max_seq_len=8"):
@@ -151,5 +172,13 @@ def test_evaluation_says_where_it_is(capsys) -> None:
     evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
              progress=EvalProgress("gpt2 final (held-out)", every_s=0))
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [l for l in lines if l.startswith("eval gpt2 final (held-out): ")] and len(lines) == 2
+    assert lines == [l for l in lines if l.startswith("eval gpt2 final (held-out): ")] and len(lines) == 3
     assert "16/40 problems, accuracy so far 0.000" in lines[0] and "left" in lines[0]
+    assert re.fullmatch(r"eval gpt2 final \(held-out\): 40/40 problems, accuracy 0\.000, \d+s", lines[2]), lines
+    evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
+             progress=EvalProgress("gpt2 final (held-out)", every_s=3600))  # shorter than its progress lines
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("eval gpt2 final (held-out): 40/40 problems, accuracy 0.000, "), line
+    evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
+             progress=EvalProgress("gpt2 live at step 4", every_s=3600, result_line=False))  # the display says it
+    assert capsys.readouterr().err == ""

@@ -60,27 +60,34 @@ def evaluate(
 
 
 class EvalProgress:
-    """A line on stderr every ``every_s`` seconds while an evaluation runs (a long one says where it is;
-    a short one says nothing): what is evaluated, problems done, accuracy so far, elapsed, time left."""
+    """A line on stderr every ``every_s`` seconds while an evaluation runs (what is evaluated, problems done,
+    accuracy so far, elapsed, time left), and with ``result_line`` one line with its result at its end: a short
+    evaluation, which ends before its first progress line, says its result too."""
 
-    def __init__(self, label: str, every_s: float = EVAL_PROGRESS_EVERY_S) -> None:
-        self.label, self.every_s = label, every_s
+    def __init__(self, label: str, every_s: float = EVAL_PROGRESS_EVERY_S, result_line: bool = True) -> None:
+        self.label, self.every_s, self.result_line = label, every_s, result_line
         self.started = self.last = time.monotonic()
 
     def __call__(self, done: int, total: int, correct: int) -> None:
         now = time.monotonic()
-        if now - self.last >= self.every_s and done < total:
+        elapsed = now - self.started
+        if done >= total:
+            if self.result_line:
+                print(f"eval {self.label}: {total}/{total} problems, accuracy {correct / total:.3f}, {elapsed:.0f}s",
+                      file=sys.stderr, flush=True)
+        elif now - self.last >= self.every_s:
             self.last = now
-            elapsed = now - self.started
             print(f"eval {self.label}: {done}/{total} problems, accuracy so far {correct / done:.3f}, "
                   f"{elapsed:.0f}s elapsed, about {elapsed / done * (total - done):.0f}s left",
                   file=sys.stderr, flush=True)
 
 
 def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task: Task, num_problems: int,
-                      settings, max_new_tokens: int, label: str | None = None) -> EvalResult:
+                      settings, max_new_tokens: int, label: str | None = None,
+                      result_line: bool = True) -> EvalResult:
     """``evaluate`` of a policy module as it is (eval mode for the duration), with a run's ``[eval]`` settings;
-    ``label`` (e.g. "gpt2 final"): progress lines while it runs."""
+    ``label`` (e.g. "gpt2 final (held-out)"): progress lines while it runs and, with ``result_line``, its result
+    at its end."""
     from policies.backend import HFBackend
     from policies.models import pad_token_id
 
@@ -91,6 +98,6 @@ def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task
                             device=device)
         return evaluate(backend, tokenizer, arch, task, num_problems, temperature=settings.temperature,
                         batch_size=settings.batch_size, max_new_tokens=max_new_tokens,
-                        progress=EvalProgress(label) if label else None)
+                        progress=EvalProgress(label, result_line=result_line) if label else None)
     finally:
         model.train(was_training)

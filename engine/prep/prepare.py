@@ -42,6 +42,7 @@ class PrepResult(msgspec.Struct, frozen=True):
     warm_accuracy_stderr: float
     eval_n: int
     vocab_size: int  # the tokenizer's: the coordinator's audit checks token ids against it without loading it
+    warm_start_end: str = ""  # how the warm start ended (engine.prep.warmstart.why_it_stopped), or "loaded from cache"
 
 
 async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]) -> list[PrepResult]:
@@ -67,13 +68,14 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
             raise PrepFailed(f"the warm start of {m.name} failed (exit code {actor.exitcode}); see the messages above")
         results.append(msgspec.json.decode(path.read_bytes(), type=PrepResult))
         path.unlink()
+        print(f"warm start {m.name}: {results[-1].warm_start_end}", flush=True)  # stop_accuracy is a goal: met or not
     running.clear()
     return results
 
 
 def prepare_model(payload: bytes) -> int:
     """Process entry: warm-start one model (cached), evaluate it (cached), write the result."""
-    from engine.prep.warmstart import warm_start, warm_start_path
+    from engine.prep.warmstart import warm_start_and_end, warm_start_path
     from tasks.registry import make_task
     from tokenbridge import load_tokenizer
 
@@ -85,12 +87,12 @@ def prepare_model(payload: bytes) -> int:
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
-    model = warm_start(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
-                       device=prep_device(cfg, plan.model_index))
+    model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
+                                      device=prep_device(cfg, plan.model_index))
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
     acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
-                        eval_n=n, vocab_size=len(tokenizer))
+                        eval_n=n, vocab_size=len(tokenizer), warm_start_end=ended)
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
 

@@ -75,16 +75,55 @@ def warm_start(
 ) -> PreTrainedModel:
     """The warm-started policy on ``device``: loaded from `cache_dir` if trained before, else trained there and
     cached (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
+    return warm_start_and_end(spec, tokenizer, task, config, cache_dir, progress, device)[0]
+
+
+def warm_start_and_end(
+    spec: ModelSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    config: WarmStartConfig,
+    cache_dir: str | Path,
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, str]:
+    """``warm_start``'s policy, and how its warm start ended (``why_it_stopped``), "loaded from cache (...)" when
+    it was: the user learns whether the model reached stop_accuracy or only ran out of steps."""
     path = warm_start_path(spec, tokenizer, task, config, cache_dir)
     if path.is_dir():
         try:
-            return load_policy(path).to(device)
+            return load_policy(path).to(device), f"loaded from cache ({_cached_end(path, config)})"
         except ModelLoadError as exc:
             log.warning("retraining: cached warm start is unusable: %s", exc)
     model = build_policy(spec, tokenizer, seed=config.seed).to(device)
     report = train_on_solutions(model, spec, tokenizer, task, config, progress)
     save_policy(model, tokenizer, path, extra_files={"warmstart.json": msgspec.json.encode(report)})
-    return model.eval()
+    return model.eval(), why_it_stopped(report, config)
+
+
+def why_it_stopped(report: WarmStartReport, config: WarmStartConfig) -> str:
+    """One phrase: reached stop_accuracy at step N, or ran to its step cap (or time limit) with accuracy Y.
+
+    Derived from the report and the config (the cache key holds the config), so reports cached before this
+    phrase existed say it too."""
+    acc, goal = report.train_accuracy, config.stop_accuracy
+    if goal is not None and acc is not None and acc >= goal:
+        return f"reached stop_accuracy {goal:g} at step {report.steps} with train accuracy {acc:.2f}"
+    end = (f"ran to its step cap {config.steps}" if report.steps >= config.steps
+           else f"ran out of its time limit warmstart.seconds={config.seconds:g} at step {report.steps}")
+    if goal is None:
+        return f"{end} (no stop_accuracy set)"
+    if acc is None:
+        return f"{end} before its first accuracy check (check_every={config.check_every} steps)"
+    return f"{end} with train accuracy {acc:.2f} at its last check, short of stop_accuracy {goal:g}"
+
+
+def _cached_end(path: Path, config: WarmStartConfig) -> str:
+    try:
+        report = msgspec.json.decode((path / "warmstart.json").read_bytes(), type=WarmStartReport)
+    except (OSError, msgspec.DecodeError):
+        return "its warmstart.json is missing or unreadable"
+    return f"it {why_it_stopped(report, config)}"
 
 
 def train_on_solutions(

@@ -252,7 +252,8 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     if ev.every_steps and version % ev.every_steps == 0 and version < core.cfg.train.steps:
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                       ev.live_problems, ev, core.cfg.train.max_new_tokens,
-                                      f"{core.model_name} live at step {version} (eval.live_problems)")
+                                      f"{core.model_name} live at step {version} (eval.live_problems)",
+                                      result_line=False)  # its result shows in the live display's acc@N
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
     if _checkpoint_due(core):
         started = time.time()

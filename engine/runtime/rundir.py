@@ -8,6 +8,7 @@ Markers say how a run ended, so a directory never looks finished when it is not:
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -22,6 +23,29 @@ def make_run_dir(requested: str | None) -> Path:
         raise FileExistsError(f"--run-dir {path}: directory exists and is not empty; choose another")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def announce(cfg, run_dir: Path) -> str:
+    """The run dir and what goes there, said when the run starts: its checkpoints (weights and optimizer state,
+    hundreds of MB for the default models) are the bulk of it, and nobody should find that out from a full disk."""
+    r = cfg.run
+    every = r.checkpoint_every
+    when = f"every run.checkpoint_every={every} steps and at the end" if every else "at the end"
+    return (f"run dir: {run_dir}\n  the run writes there: metrics, the experience log and checkpoints (each "
+            f"model's weights and optimizer state, {when}; the newest run.keep_checkpoints={r.keep_checkpoints} "
+            "per model kept)")
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes ``path`` takes on disk, as du counts them (links not followed: ``latest`` is a symlink)."""
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+
+
+def said_size(run_dir: Path) -> str:
+    """The run dir's size at the end of the run, its checkpoints' share beside it."""
+    checkpoints = run_dir / "checkpoints"
+    share = f" (checkpoints {disk_usage(checkpoints) / 1e6:.1f} MB)" if checkpoints.is_dir() else ""
+    return f"run dir: {run_dir}: {disk_usage(run_dir) / 1e6:.1f} MB on disk{share}"
 
 
 def write_resolved_config(cfg: msgspec.Struct, run_dir: Path) -> Path:
