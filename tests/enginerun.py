@@ -41,6 +41,17 @@ class Run:
             args = [*launcher, "run", "--config", str(ROOT / config), "--run-dir", str(run_dir)]
             for o in (f"run.cache_dir='{cache}'", *overrides):
                 args += ["--set", o]
+        self._start(args, env)
+
+    @classmethod
+    def command(cls, run_dir: Path, *args: str) -> Run:
+        """Any ``launch.py`` command (e.g. ``experiment GRID``), started and watched the same way."""
+        run = cls.__new__(cls)
+        run.run_dir = run_dir
+        run._start([sys.executable, str(ROOT / "launch.py"), *args], None)
+        return run
+
+    def _start(self, args: list[str], env: dict[str, str] | None) -> None:
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})},
                                      start_new_session=True)

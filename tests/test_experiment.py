@@ -6,11 +6,13 @@ from __future__ import annotations
 import csv
 import math
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from enginerun import Run
 
 from engine.config import ConfigError
 from experiments.grid import load_grid, plan
@@ -47,10 +49,20 @@ def _experiment(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
+    """A Ctrl-C once the second run has started stops the grid (its first run kept); the same command goes on
+    with the second run only, then writes the results; run again, it has nothing to do."""
     grid = _grid(tmp_path, engine_cache)
+    out = tmp_path / "results"
+    first = Run.command(out, "experiment", str(grid))
+    first.wait_for(lambda: "arith-pair-sgt_ref-s0: running" in first.out, "the second run's start", timeout=600)
+    first.signal(signal.SIGINT)  # a terminal's Ctrl-C: the runner and the run it started
+    assert first.finish() == 130, first.out
+    assert "arith-pair-grpo-s0: done" in first.out and "run the same command again to go on" in first.out
+    assert not (out / "results.csv").exists()
+
     done = _experiment(str(grid))
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "results"
+    assert "sgt_ref-s0: running" in done.stdout and "grpo-s0: running" not in done.stdout  # where it stopped
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert sorted((r["arm"], r["model"]) for r in rows) == [("grpo", "gpt2"), ("grpo", "llama"),
                                                             ("sgt_ref", "gpt2"), ("sgt_ref", "llama")]
@@ -67,12 +79,8 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     curves = list(csv.DictReader(open(out / "curves.csv")))
     assert {c["samples"] for c in curves} >= {"0", str(2 * 64), str(4 * 64)}
 
-    again = _experiment(str(grid))  # resumable: nothing finished is run again
+    again = _experiment(str(grid))  # nothing finished is run again
     assert again.returncode == 0 and "0 of 2 runs to go" in again.stdout and "running" not in again.stdout
-    (out / "runs" / "arith-pair-grpo-s0" / "run_result.json").unlink()  # as if it had crashed
-    third = _experiment(str(grid))
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert "arith-pair-grpo-s0: running" in third.stdout and "sgt_ref-s0: running" not in third.stdout
 
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
