@@ -102,6 +102,8 @@ def test_the_warm_start_says_where_and_why_it_stopped(tmp_path: Path) -> None:
     assert why_it_stopped(report(600, 0.55), goal).startswith("reached stop_accuracy 0.55 at step 600")  # at the cap
     assert why_it_stopped(report(30, None), msgspec.structs.replace(goal, steps=30)) == \
         "ran to its step cap 30 before its first accuracy check (check_every=50 steps)"
+    assert why_it_stopped(report(0, None), msgspec.structs.replace(goal, steps=0)) == \
+        "none (warmstart_steps = 0): the model starts as its checkpoint is"
     timed = WarmStartConfig(steps=10**6, seconds=0.5)
     assert why_it_stopped(report(7, None), timed) == "ran out of its time limit warmstart.seconds=0.5 at step 7 " \
                                                      "(no stop_accuracy set)"

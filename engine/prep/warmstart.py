@@ -64,18 +64,10 @@ def warm_start_path(
     return Path(cache_dir) / f"warmstart-{spec.arch}-{cache_key(spec, tokenizer, task, config)[:20]}"
 
 
-def warm_start(
-    spec: ModelSpec,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    config: WarmStartConfig,
-    cache_dir: str | Path,
-    progress: bool = True,
-    device: str | torch.device = "cpu",
-) -> PreTrainedModel:
-    """The warm-started policy on ``device``: loaded from `cache_dir` if trained before, else trained there and
+def warm_start(*args, **kwargs) -> PreTrainedModel:
+    """``warm_start_and_end``'s policy alone: loaded from `cache_dir` if trained before, else trained there and
     cached (at `warm_start_path(...)`, a save_pretrained dir with a warmstart.json report)."""
-    return warm_start_and_end(spec, tokenizer, task, config, cache_dir, progress, device)[0]
+    return warm_start_and_end(*args, **kwargs)[0]
 
 
 def warm_start_and_end(
@@ -107,6 +99,8 @@ def why_it_stopped(report: WarmStartReport, config: WarmStartConfig) -> str:
     Derived from the report and the config (the cache key holds the config), so reports cached before this
     phrase existed say it too."""
     acc, goal = report.train_accuracy, config.stop_accuracy
+    if config.steps == 0:
+        return "none (warmstart_steps = 0): the model starts as its checkpoint is"
     if goal is not None and acc is not None and acc >= goal:
         return f"reached stop_accuracy {goal:g} at step {report.steps} with train accuracy {acc:.2f}"
     end = (f"ran to its step cap {config.steps}" if report.steps >= config.steps
