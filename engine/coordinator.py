@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 
 from engine.config import RunConfig
-from engine.prep.prepare import PrepFailed, PrepResult, prepare_all
+from engine.prep.prepare import PrepFailed, PrepResult, prepare_all, record_warm_starts
 from engine.roles.plan import WorkerPlan
 from engine.runtime import actors
 from engine.outcome import RunResult, prompts_trained_by_all, report, write_result
@@ -151,9 +151,7 @@ class Coordinator:
         write_json(self.run_dir, "endpoints.json", hub.endpoints())
         self.say(f"watch the experience stream: {hub.tail_command()}")
         self.metrics = MetricsWriter(self.run_dir, "engine")
-        for p in self.preps:  # the run dir keeps what the launcher printed: stop_accuracy met, its cap, or the cache
-            self.metrics.write(event="warm_start", model=p.model, ended=p.warm_start_end, checkpoint=p.checkpoint,
-                               accuracy=p.warm_accuracy, accuracy_stderr=p.warm_accuracy_stderr, eval_n=p.eval_n)
+        record_warm_starts(self.metrics, self.preps)
         nodes = self.node.nodes if self.node else 1
         for i in range(self.cfg.pool.workers):
             self.spawn_worker(f"w{i}", node_of(i, self.cfg.pool.workers, nodes))

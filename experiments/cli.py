@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def experiment_command(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     failed: list[str] = []
+    _stop_on_signals()
     try:
         if not args.report_only:
             _, failed = execute(runs, out)
@@ -59,6 +61,16 @@ def experiment_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and a scheduler's SIGTERM stop the grid at once, as they stop a run (its own coordinator saves the
+    run's checkpoints), even where this process started with them ignored (a background job of a script)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _preflight(runs) -> None:

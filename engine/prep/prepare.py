@@ -130,3 +130,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def record_warm_starts(metrics, preps: list[PrepResult]) -> None:
+    """One ``warm_start`` line a model in metrics.jsonl: the run dir keeps what the launcher printed (stop_accuracy
+    met, its step cap, or the cache) and the accuracy RL starts from."""
+    for p in preps:
+        metrics.write(event="warm_start", model=p.model, ended=p.warm_start_end, checkpoint=p.checkpoint,
+                      accuracy=p.warm_accuracy, accuracy_stderr=p.warm_accuracy_stderr, eval_n=p.eval_n)
