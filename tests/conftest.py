@@ -59,9 +59,15 @@ def _flock(path: Path, mode: int) -> Iterator[bool]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The long tests (marked slow: whole runs) first, each file's in its own order: the session's parallel workers
     (``--dist loadgroup``: one test at a time to whichever worker is free) then share them out from the start,
-    and the quick ones fill the gaps at the end instead of one long run alone. The tests that read one shared
-    run (``smoke_run``) form one group, so one worker makes that run, once."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    and the quick ones fill the gaps at the end instead of one long run alone. Of the long ones, those that need
+    no warm start (sweeps, process groups) go first: they keep the other workers busy while one makes the warm
+    starts, where an engine test would wait for them in its set-up with a core idle. The tests that read one
+    shared run (``smoke_run``) form one group, so one worker makes that run, once."""
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        slow = item.get_closest_marker("slow") is not None
+        return not slow, slow and "engine_cache" in getattr(item, "fixturenames", ())
+
+    items.sort(key=order)
     for item in items:
         if "smoke_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("smoke_run"))
