@@ -66,6 +66,11 @@ def test_a_gguf_checkpoint_loads_as_the_model_it_holds_converted_once(tiny, tmp_
     again = load_run_config(_config(tmp_path, cache, f'checkpoint = "{gguf_file}"', "again.toml"))
     assert again == cfg and "converting" not in capfd.readouterr().out
     assert (directory / "model.safetensors").stat().st_mtime_ns == stamp
+    moved = tmp_path / "reinstalled" / "tiny.gguf"  # the same file elsewhere, newer (a package reinstalled)
+    moved.parent.mkdir()
+    shutil.copy(gguf_file, moved)
+    elsewhere = load_run_config(_config(tmp_path, cache, f'checkpoint = "{moved}"', "moved.toml"))
+    assert elsewhere.models[0].checkpoint == m.checkpoint and "converting" not in capfd.readouterr().out
 
 
 @pytest.mark.slow  # the conversion's directory as the snapshot
