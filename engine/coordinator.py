@@ -10,10 +10,10 @@
 The end is always the same path, whatever triggers it (``engine.stopping``): generators
 halt first, then learners, then every process is stopped, so nothing outlives the run.
 
-One failure policy (``engine.runtime.failures``): a dead generator's units go out again
-and a fresh worker takes its place; a dead learner rank's group re-forms from the
-survivors; a model with no learner left leaves the run and its peers train solo, saying
-so; the broker's death ends the run. Each is one line on stderr and a metrics record.
+One failure policy (``engine.runtime.failures``): a dead generator's units go out again and a
+fresh worker takes its place; a dead learner rank's group re-forms from the survivors; a model
+with no learner left leaves the run and its peers train solo, saying so; a dead broker starts
+again (past pool.max_broker_restarts, the run ends). Each is one line on stderr and a record.
 """
 
 from __future__ import annotations
