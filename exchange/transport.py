@@ -262,26 +262,36 @@ class BlockingPublisher:
         if len(self._buf) >= self.max_batch:
             self.flush()
 
-    def flush(self) -> None:
-        """Hand the buffer to ZeroMQ (blocks at the high-water mark); with CURVE keys, ``KeyRefused`` if the
-        broker refused them."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Hand the buffer to ZeroMQ, waiting at the high-water mark (``TimeoutError`` after ``timeout``
+        seconds, if given); with CURVE keys, ``KeyRefused`` once the broker has refused them."""
         if not self._buf:
             return
         frame = Encoder.frame(self._buf)
-        if self._curve:
-            while not self._sock.poll(int(REFUSAL_CHECK_S * 1000), zmq.POLLOUT):  # no peer, or a full queue
-                self._link.raise_if_refused()
         if self._drops_when_unconfirmed is None:
             self._drops_when_unconfirmed = self._link.update().drops
-        self._sock.send(frame, copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # never a blocking send: a refused handshake drops the socket's only pipe, and a send that saw the pipe a
+        # moment before would then wait forever, where this loop sees the refusal
+        while True:
+            if self._curve:
+                self._link.raise_if_refused()  # sticks: a refused key sends nothing more
+            try:
+                self._sock.send(frame, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the broker at {self.endpoint} took nothing within {timeout:g} s")
+            self._sock.poll(int(REFUSAL_CHECK_S * 1000), zmq.POLLOUT)  # no peer, or a full queue
         self._buf = []
 
     def sync(self, timeout: float = 30.0) -> None:
         """Block until the broker confirms everything sent so far; ``TimeoutError`` if it does not."""
         token = next(_tokens)
         self._buf.append(self._encoder.encode(Sync(SCHEMA_VERSION, token)))
-        self.flush()
         deadline = time.monotonic() + timeout
+        self.flush(timeout)
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
             if self._curve:
                 self._link.raise_if_refused()

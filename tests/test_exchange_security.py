@@ -74,6 +74,9 @@ def test_an_allowed_key_is_served_and_a_stranger_is_refused(keys, capfd):
         blocking.send(make_experience(0, "evil"))
         with pytest.raises(KeyRefused):  # its own time-out first: a thread left waiting would hold the loop's close
             await asyncio.wait_for(asyncio.to_thread(blocking.sync, 25), 30)
+        blocking.send(make_experience(1, "evil"))  # refused once, refused at once after: no send that can hang
+        with pytest.raises(KeyRefused):  # (a blocking send once hung here when the pipe went between poll and send)
+            await asyncio.wait_for(asyncio.to_thread(blocking.sync, 25), 30)
         blocking.close(sync_timeout=None)
         plain.term()
         alice = Publisher(front, curve=keys["alice"], context=ctx)
