@@ -25,9 +25,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     arch: str  # the model_type (config.json) of a causal LM: picks the model class and the prompt template
     # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir; "" = the checkpoint's own
     tokenizer: str = ""
-    n_layer: int = 2
-    n_embd: int = 128
-    n_head: int = 4
+    n_layer: int = 2  # decoder blocks of a model built from this spec (not read with a checkpoint)
+    n_embd: int = 128  # hidden size of a built model
+    n_head: int = 4  # attention heads of a built model
     max_seq_len: int = 128  # prompt + completion; sizes GPT-2's learned position table
     n_kv_head: int | None = None  # not gpt2: grouped-query attention; None = n_head
     intermediate_size: int | None = None  # not gpt2: MLP width; None = GPT-2's parameter count
@@ -40,9 +40,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """`[models.lora]`: adapters of rank `rank` on the `targets` modules, scaled by alpha / rank."""
 
-    rank: Annotated[int, Meta(ge=1)] = 8
-    alpha: Annotated[float, Meta(gt=0)] = 16.0
-    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    rank: Annotated[int, Meta(ge=1)] = 8  # rank of each adapter
+    alpha: Annotated[float, Meta(gt=0)] = 16.0  # adapter scale: the adapters' update is scaled by alpha / rank
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0  # dropout on the adapters' input while training
     targets: list[str] = []  # module names (e.g. ["q_proj", "v_proj"]); [] = peft's default for the family
 
 

@@ -22,12 +22,14 @@ _INTEGER = re.compile(r"-?\d+")
 class ArithmeticConfig(msgspec.Struct, tag="arithmetic", tag_field="kind", forbid_unknown_fields=True, frozen=True):
     """Two-operand integer arithmetic."""
 
-    min_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 1  # operands are uniform over the values with
-    # min_digits..max_digits digits (uniform over values, not over digit counts, so 1-digit sums stay rare)
-    max_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 2
-    ops: tuple[Op, ...] = ("+",)
+    # fewest digits of an operand (operands are uniform over the values with min_digits..max_digits digits,
+    # so 1-digit sums stay rare)
+    min_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 1
+    max_digits: Annotated[int, msgspec.Meta(ge=1, le=18)] = 2  # most digits of an operand
+    ops: tuple[Op, ...] = ("+",)  # the operators questions draw from: "+", "-", "*"
     non_negative: bool = True  # for "-": larger operand first, so answers have no sign
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
+    # seeds the question drawn for each problem id (whether a question is held out depends on the question alone)
     seed: int = 0
     # the question as the model reads it; {expr} is "a op b" (the split is by expr, whatever the wording)
     wording: str = "{expr}"  # e.g. "What is {expr}? Answer with the number only." for an instruct model

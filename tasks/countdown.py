@@ -25,12 +25,12 @@ MAX_EXPRESSION_CHARS = 200  # bounds parser work and recursion depth on hostile 
 class CountdownConfig(msgspec.Struct, tag="countdown", tag_field="kind", forbid_unknown_fields=True, frozen=True):
     """Puzzles over `n_numbers` numbers in [1, max_number] with a reachable target."""
 
-    n_numbers: Annotated[int, msgspec.Meta(ge=2, le=6)] = 3
-    max_number: Annotated[int, msgspec.Meta(ge=2, le=1000)] = 9
-    max_target: Annotated[int, msgspec.Meta(ge=2)] = 100
+    n_numbers: Annotated[int, msgspec.Meta(ge=2, le=6)] = 3  # numbers given in a puzzle
+    max_number: Annotated[int, msgspec.Meta(ge=2, le=1000)] = 9  # largest number given (drawn from 1..max_number)
+    max_target: Annotated[int, msgspec.Meta(ge=2)] = 100  # largest target a puzzle asks for
     use_all: bool = False  # require every number in the answer (harder; fewer solutions)
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
-    seed: int = 0
+    seed: int = 0  # seeds the puzzle drawn for each problem id (whether a puzzle is held out depends on it alone)
 
 
 @register_task("countdown", CountdownConfig)

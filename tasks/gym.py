@@ -27,7 +27,7 @@ class GymConfig(msgspec.Struct, tag="rg", tag_field="kind", forbid_unknown_field
     answer: AnswerRule = "last_number"  # how the answer is read from a completion (tasks.answers)
     solution: str = "{answer}"  # a worked solution (warm start, sgt_ref), e.g. "The answer is {answer}."
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
-    seed: int = 0
+    seed: int = 0  # the dataset's seed
     size: Annotated[int, msgspec.Meta(ge=10)] = 1_000_000  # entries drawn from (training ids wrap around)
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ class TaskFileError(Exception):
 class JsonlConfig(msgspec.Struct, tag="jsonl", tag_field="kind", forbid_unknown_fields=True, frozen=True):
     """A local dataset; held-out problems from `eval_path`, else a hash split of `path`."""
 
-    path: str
-    eval_path: str | None = None
+    path: str  # the training file: one JSON object a line with `prompt` and `answer`
+    eval_path: str | None = None  # a file of held-out problems in the same format; unset = split `path` by hash
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # used when no eval_path
     seed: int = 0  # shuffles the training order
     verify_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a completion still unjudged then is wrong

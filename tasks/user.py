@@ -41,8 +41,10 @@ from tasks.base import Problem, Verdict, register_task
 class PythonConfig(msgspec.Struct, tag="python", tag_field="kind", forbid_unknown_fields=True, frozen=True):
     """A task made by your code: ``factory`` is "module:function", called with ``options``."""
 
+    # "module:function" that makes the task, imported from the directory you launch from (tasks/user.py has an
+    # example)
     factory: str
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {}  # keyword arguments passed to `factory`
 
 
 @register_task("python", PythonConfig)

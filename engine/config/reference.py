@@ -3,8 +3,7 @@
 ``python -m engine.config.reference`` writes ``docs/reference/config.md``; ``--check`` exits 1 when that page
 is stale or a key has no meaning (tests/test_docs.py does the same). A key's meaning is the comment on its
 field in the module that defines it: the trailing ``# ...`` of its line, after the comment lines right above
-it (joined into one line). ``NOTES`` below holds the meanings of fields whose module has no comment for them
-yet; a comment in the module is the better home, and ``NOTES`` wins where both exist. Imports no torch.
+it (joined into one line). Imports no torch.
 """
 
 from __future__ import annotations
@@ -24,33 +23,6 @@ from msgspec import inspect as mi
 from engine.config.schema import RunConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
-
-# "Module.Class.field" -> meaning, for fields whose own module has no comment on them (or a misleading one).
-NOTES = {
-    "policies.spec.ModelSpec.n_layer": "decoder blocks of a model built from this spec (not read with a checkpoint)",
-    "policies.spec.ModelSpec.n_embd": "hidden size of a built model",
-    "policies.spec.ModelSpec.n_head": "attention heads of a built model",
-    "policies.spec.LoraSpec.rank": "rank of each adapter",
-    "policies.spec.LoraSpec.alpha": "adapter scale: the adapters' update is scaled by alpha / rank",
-    "policies.spec.LoraSpec.dropout": "dropout on the adapters' input while training",
-    "tasks.arithmetic.ArithmeticConfig.min_digits": ("fewest digits of an operand (operands are uniform over the values "
-                                                     "with min_digits..max_digits digits, so 1-digit sums stay rare)"),
-    "tasks.arithmetic.ArithmeticConfig.max_digits": "most digits of an operand",
-    "tasks.arithmetic.ArithmeticConfig.ops": 'the operators questions draw from: "+", "-", "*"',
-    "tasks.arithmetic.ArithmeticConfig.seed": ("seeds the question drawn for each problem id (whether a question is "
-                                               "held out depends on the question alone)"),
-    "tasks.countdown.CountdownConfig.n_numbers": "numbers given in a puzzle",
-    "tasks.countdown.CountdownConfig.max_number": "largest number given (numbers are drawn from 1..max_number)",
-    "tasks.countdown.CountdownConfig.max_target": "largest target a puzzle asks for",
-    "tasks.countdown.CountdownConfig.seed": "seeds the puzzle drawn for each problem id (whether a puzzle is held out "
-                                            "depends on the puzzle alone)",
-    "tasks.gym.GymConfig.seed": "the dataset's seed",
-    "tasks.jsonl.JsonlConfig.path": "the training file: one JSON object a line with `prompt` and `answer`",
-    "tasks.jsonl.JsonlConfig.eval_path": "a file of held-out problems in the same format; unset = split `path` by hash",
-    "tasks.user.PythonConfig.factory": '"module:function" that makes the task, imported from the directory you '
-                                       "launch from (tasks/user.py has an example)",
-    "tasks.user.PythonConfig.options": "keyword arguments passed to `factory`",
-}
 
 
 @dataclass(frozen=True)
@@ -98,11 +70,9 @@ def _owner(cls: type, name: str) -> type:
 
 
 def meaning_of(cls: type, name: str) -> tuple[str, str]:
-    """(meaning, "module.Class.field") of field ``name`` of Struct ``cls``: NOTES, else its source comments."""
+    """(meaning, "module.Class.field") of field ``name`` of Struct ``cls``, from its source comments."""
     owner = _owner(cls, name)
     where = f"{owner.__module__}.{owner.__qualname__}.{name}"
-    if where in NOTES:
-        return NOTES[where], where
     first, last = _field_lines(owner).get(name, (0, 0))
     if not first:
         return "", where
@@ -265,8 +235,7 @@ def render() -> str:
 
 def missing() -> list[str]:
     """Keys without a meaning, each with where to write one."""
-    return [f"{r.key} ({r.where}): add a trailing `# ...` comment to the field, or an entry to "
-            "engine.config.reference.NOTES" for sec in sections() for r in sec.rows if not r.meaning.strip()]
+    return [f"{r.key} ({r.where}): add a trailing `# ...` comment to the field" for sec in sections() for r in sec.rows if not r.meaning.strip()]
 
 
 def main(argv: list[str]) -> int:
