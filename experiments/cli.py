@@ -131,10 +131,11 @@ def write_results(grid, runs, out: Path, command: str) -> list[Path]:
     """results.csv, curves.csv, results.md and the plots, from every finished run of the grid."""
     from experiments import plots
     from experiments.results import curves, read_run, write_csv
-    from experiments.runner import finished, run_dir
+    from experiments.runner import is_done
+    from experiments.runner import run_dir
     from experiments.summary import write_markdown
 
-    done = [r for r in runs if finished(run_dir(out, r))]
+    done = [r for r in runs if is_done(out, r)]
     rows = [row for r in done for row in read_run(run_dir(out, r), r)]
     write_csv(out / "results.csv", rows)
     points = [dict(task=r.task, model_set=r.model_set, arm=r.arm, seed=r.seed, **p)

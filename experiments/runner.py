@@ -1,8 +1,10 @@
 """Run a grid's runs one after another, each a ``launch.py run`` of its own, resumably.
 
 A run whose directory holds ``run_result.json`` and no ``FAILED``/``INTERRUPTED`` marker is
-finished and never run again; any other directory left by an earlier attempt (a crash, a
-Ctrl-C) is removed and the run starts over. Each run's output goes to ``logs/<id>.log``.
+finished and never run again, unless the config it ran (its ``config.toml``) is no longer the one
+the grid plans for it (an edited base config or grid): then it runs again. Any other directory
+left by an earlier attempt (a crash, a Ctrl-C) is removed and the run starts over. Each run's
+output goes to ``logs/<id>.log``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,25 @@ def finished(path: Path) -> bool:
     return (path / "run_result.json").is_file() and not any((path / m).exists() for m in ("FAILED", "INTERRUPTED"))
 
 
+def changed(path: Path, run: PlannedRun) -> bool:
+    """The run in ``path`` ran another config than the one planned now (the grid or its base was edited since)."""
+    saved = path / "config.toml"
+    return saved.is_file() and saved.read_bytes() != config_toml(run.config)
+
+
+def is_done(out: Path, run: PlannedRun) -> bool:
+    """Finished, on the config planned now: what results count and a resumed grid skips."""
+    path = run_dir(out, run)
+    return finished(path) and not changed(path, run)
+
+
+def _state(out: Path, run: PlannedRun) -> str:
+    path = run_dir(out, run)
+    if not finished(path):
+        return "to run"
+    return "to run again: its config changed since it ran" if changed(path, run) else "done"
+
+
 def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
     """The plan, one line a run: what ``--dry-run`` prints."""
     cells = len({(r.task, r.model_set) for r in runs})
@@ -48,10 +69,10 @@ def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
              f"(task, model set) cell(s); results in {out}"]
     for r in runs:
         cfg = r.config
-        state = "done" if finished(run_dir(out, r)) else "to run"
+        state = _state(out, r)
         lines.append(f"  {r.id:<40} {', '.join(cfg.names):<22} {cfg.pool.workers} workers on {cfg.pool.device}, "
                      f"{r.samples_per_model:>7,} samples per model  [{state}]")
-    todo = sum(not finished(run_dir(out, r)) for r in runs)
+    todo = sum(not is_done(out, r) for r in runs)
     lines.append(f"{todo} of {len(runs)} runs to go")
     return "\n".join(lines)
 
@@ -59,7 +80,7 @@ def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
 def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:
     """Run what is not finished. Returns (runs done now, ids that failed); a Ctrl-C stops at once."""
     done, failed = 0, []
-    todo = [r for r in runs if not finished(run_dir(out, r))]
+    todo = [r for r in runs if not is_done(out, r)]
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     for k, run in enumerate(todo, 1):

@@ -82,6 +82,11 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     again = _experiment(str(grid))  # nothing finished is run again
     assert again.returncode == 0 and "0 of 2 runs to go" in again.stdout and "running" not in again.stdout
 
+    grid.write_text(grid.read_text().replace('"eval.every_steps=2"', '"eval.every_steps=4"'))  # the grid edited
+    edited = _experiment(str(grid), "--dry-run")  # its finished runs ran another config: neither counts now
+    assert edited.returncode == 0 and "2 of 2 runs to go" in edited.stdout, edited.stdout + edited.stderr
+    assert edited.stdout.count("to run again: its config changed since it ran") == 2
+
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_the_gpu_grid_plans_here_and_reads_its_checkpoints_configs(tmp_path):
