@@ -71,10 +71,15 @@ def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
         cfg = r.config
         state = _state(out, r)
         lines.append(f"  {r.id:<40} {', '.join(cfg.names):<22} {cfg.pool.workers} workers on {cfg.pool.device}, "
-                     f"{r.samples_per_model:>7,} samples per model  [{state}]")
+                     f"{r.samples_per_model:>7,} samples per model{_time_cap(cfg)}  [{state}]")
     todo = sum(not is_done(out, r) for r in runs)
     lines.append(f"{todo} of {len(runs)} runs to go")
     return "\n".join(lines)
+
+
+def _time_cap(cfg) -> str:
+    """A run that run.max_minutes may end first trains fewer samples than its steps make: the plan says so."""
+    return f" or {cfg.run.max_minutes:g} min of RL, whichever is first" if cfg.run.max_minutes else ""
 
 
 def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:

@@ -86,6 +86,7 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     edited = _experiment(str(grid), "--dry-run")  # its finished runs ran another config: neither counts now
     assert edited.returncode == 0 and "2 of 2 runs to go" in edited.stdout, edited.stdout + edited.stderr
     assert edited.stdout.count("to run again: its config changed since it ran") == 2
+    assert edited.stdout.count("min of RL, whichever is first") == 2  # run.max_minutes may end a run first
 
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
