@@ -96,6 +96,10 @@ def test_the_warm_start_says_where_and_why_it_stopped(tmp_path: Path) -> None:
     assert ended == "ran to its step cap 2 with train accuracy 0.00 at its last check, short of stop_accuracy 0.99"
     _, again = warm_start_and_end(spec, tokenizer, task, unreachable, tmp_path, progress=False)
     assert again == f"loaded from cache (it {ended})"
+    none = msgspec.structs.replace(unreachable, steps=0)  # a checkpoint used as it is, the first time and after
+    for _ in range(2):
+        assert warm_start_and_end(spec, tokenizer, task, none, tmp_path, progress=False)[1] == \
+            "none (warmstart_steps = 0): the model starts as its checkpoint is"
     report = lambda steps, acc: WarmStartReport(steps, seconds=1.0, final_loss=0.5, train_accuracy=acc)  # noqa: E731
     goal = WarmStartConfig(steps=600, stop_accuracy=0.55, check_every=50)
     assert why_it_stopped(report(350, 0.56), goal) == "reached stop_accuracy 0.55 at step 350 with train accuracy 0.56"

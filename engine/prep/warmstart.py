@@ -84,13 +84,17 @@ def warm_start_and_end(
     path = warm_start_path(spec, tokenizer, task, config, cache_dir)
     if path.is_dir():
         try:
-            return load_policy(path).to(device), f"loaded from cache ({_cached_end(path, config)})"
+            ended = NO_WARM_START if config.steps == 0 else f"loaded from cache ({_cached_end(path, config)})"
+            return load_policy(path).to(device), ended
         except ModelLoadError as exc:
             log.warning("retraining: cached warm start is unusable: %s", exc)
     model = build_policy(spec, tokenizer, seed=config.seed).to(device)
     report = train_on_solutions(model, spec, tokenizer, task, config, progress)
     save_policy(model, tokenizer, path, extra_files={"warmstart.json": msgspec.json.encode(report)})
     return model.eval(), why_it_stopped(report, config)
+
+
+NO_WARM_START = "none (warmstart_steps = 0): the model starts as its checkpoint is"  # cached or not
 
 
 def why_it_stopped(report: WarmStartReport, config: WarmStartConfig) -> str:
@@ -100,7 +104,7 @@ def why_it_stopped(report: WarmStartReport, config: WarmStartConfig) -> str:
     phrase existed say it too."""
     acc, goal = report.train_accuracy, config.stop_accuracy
     if config.steps == 0:
-        return "none (warmstart_steps = 0): the model starts as its checkpoint is"
+        return NO_WARM_START
     if goal is not None and acc is not None and acc >= goal:
         return f"reached stop_accuracy {goal:g} at step {report.steps} with train accuracy {acc:.2f}"
     end = (f"ran to its step cap {config.steps}" if report.steps >= config.steps
