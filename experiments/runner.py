@@ -13,7 +13,10 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
+
+import msgspec
 
 from engine.runtime.rundir import config_toml
 from experiments.grid import Grid, PlannedRun
@@ -44,9 +47,18 @@ def finished(path: Path) -> bool:
 
 
 def changed(path: Path, run: PlannedRun) -> bool:
-    """The run in ``path`` ran another config than the one planned now (the grid or its base was edited since)."""
+    """The run in ``path`` ran another config than the one planned now (the grid or its base was edited since).
+
+    Compared as configs, not as text: a key added to the schema since, at its default, changes nothing the run
+    did; a key the schema no longer has, or any value that differs, does."""
     saved = path / "config.toml"
-    return saved.is_file() and saved.read_bytes() != config_toml(run.config)
+    if not saved.is_file():
+        return False
+    try:
+        ran = msgspec.convert(tomllib.loads(saved.read_text()), type(run.config))
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return True
+    return ran != run.config
 
 
 def is_done(out: Path, run: PlannedRun) -> bool:

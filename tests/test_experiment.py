@@ -124,6 +124,32 @@ def test_the_cpu_grid_plans_every_arm_with_one_budget():
     assert tokenizers == {"gpt2", "mistral", "qwen2"}
 
 
+def test_a_finished_run_counts_while_its_config_is_the_one_planned(tmp_path):
+    """Compared as configs: a key the schema gained since (at its default) changes nothing; a value does."""
+    import tomllib
+
+    import msgspec
+
+    from engine.runtime.rundir import config_toml
+    from experiments.runner import changed
+
+    run = plan(load_grid(ROOT / "configs/experiments/cpu.toml"))[0]
+    saved = tomllib.loads(config_toml(run.config).decode())
+    write = lambda tree: (tmp_path / "config.toml").write_bytes(msgspec.toml.encode(tree))  # noqa: E731
+    write(saved)
+    assert not changed(tmp_path, run)
+    del saved["pool"]["threads_per_worker"]  # as if written before the key existed: its default is what ran
+    write(saved)
+    assert not changed(tmp_path, run)
+    saved["train"]["lr"] = run.config.train.lr * 2
+    write(saved)
+    assert changed(tmp_path, run)
+    saved["train"]["lr"] = run.config.train.lr
+    saved["pool"]["gone_key"] = 1  # a key the schema no longer has
+    write(saved)
+    assert changed(tmp_path, run)
+
+
 @pytest.mark.parametrize("text,expected", [
     ('arms = []', "arms: must not be empty"),
     ('arms = ["grpo", "nope"]', "unknown objective"),
