@@ -79,12 +79,12 @@ def describe(grid: Grid, runs: list[PlannedRun], out: Path) -> str:
     cells = len({(r.task, r.model_set) for r in runs})
     lines = [f"{len(runs)} runs: {len(grid.arms)} arm(s) x {len(grid.seeds)} seed(s) in each of {cells} "
              f"(task, model set) cell(s); results in {out}"]
-    for r in runs:
+    states = [_state(out, r) for r in runs]  # each run's saved config read once
+    for r, state in zip(runs, states):
         cfg = r.config
-        state = _state(out, r)
         lines.append(f"  {r.id:<40} {', '.join(cfg.names):<22} {cfg.pool.workers} workers on {cfg.pool.device}, "
                      f"{r.samples_per_model:>7,} samples per model{_time_cap(cfg)}  [{state}]")
-    todo = sum(not is_done(out, r) for r in runs)
+    todo = sum(state != "done" for state in states)
     lines.append(f"{todo} of {len(runs)} runs to go")
     return "\n".join(lines)
 
