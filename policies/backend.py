@@ -12,7 +12,6 @@ to the same contract.
 
 from __future__ import annotations
 
-import inspect
 import random
 from typing import Literal, Protocol, runtime_checkable
 
@@ -20,7 +19,7 @@ import msgspec
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
 
-from policies.logprobs import position_ids_from_mask
+from policies.logprobs import cache_argument, position_ids_from_mask
 
 
 class Sample(msgspec.Struct, gc=False):
@@ -73,17 +72,6 @@ class GenerationBackend(Protocol):
         ...
 
 
-def cache_argument(model: torch.nn.Module) -> str:
-    """The name ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24 on, ``past_key_values``
-    before. An older forward takes the new name into ``**kwargs`` and drops it without a word, so asking
-    the signature is the only safe way: a cache passed under the wrong name stays empty."""
-    params = inspect.signature(model.forward).parameters
-    name = "cache" if "cache" in params else "past_key_values"
-    if name not in params:
-        raise TypeError(f"{type(model).__name__}.forward takes neither cache= nor past_key_values=")
-    return name
-
-
 def request_rows(prompts: list[list[int]], num_samples: int, temperature: float) -> list[list[int]]:
     """Every backend's checks of a request, and its rows: each prompt ``num_samples`` times, in order."""
     if temperature < 0:
@@ -96,12 +84,14 @@ def request_rows(prompts: list[list[int]], num_samples: int, temperature: float)
 class HFBackend:
     """Batched sampling with an HF causal LM, a KV cache and left padding.
 
-    All prompts x samples run as one batch (split into chunks of `max_batch` rows).
+    All prompts x samples run as one batch (split into chunks of `max_batch` rows); each distinct
+    prompt's forward runs once, and its cache is copied to the rows of its samples.
     A sequence stops at its own EOS, which is kept in the completion with its
     log-prob; rows that have finished are dropped from the batch and its cache.
     """
 
-    drops_finished_rows = True  # a dynamic cache can shrink; a static one keeps its shapes
+    drops_finished_rows = True  # a dynamic cache can shrink (and grow: a prompt's forward is shared by its samples);
+    # a static one keeps its shapes
 
     def __init__(
         self,
@@ -178,14 +168,15 @@ class HFBackend:
         generator: torch.Generator,
     ) -> list[Sample]:
         B = len(prompts)
-        input_ids, mask = self._left_pad(prompts)  # (B, P)
+        distinct, copies = self._distinct(prompts)
+        input_ids, mask = self._left_pad(distinct)  # (U, P): a group's samples share their prompt's forward
         positions = position_ids_from_mask(mask)
         cache = self._new_cache(B, input_ids.shape[1] + max_new_tokens)
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         live = torch.arange(B, device=self.device)  # original row of each batch row
         over = torch.zeros(B, dtype=torch.bool, device=self.device)  # rows past their EOS (kept by a static cache)
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -194,7 +185,11 @@ class HFBackend:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            next_ids, next_lp = self._pick_open(out.logits[:, -1].float(), over, temperature, generator)  # (b,)
+            logits = out.logits[:, -1].float()
+            if step == 0 and copies is not None:  # the prompts ran once each: now a row per sample
+                logits, mask, positions = logits[copies], mask[copies], positions[copies]
+                cache.batch_select_indices(copies)
+            next_ids, next_lp = self._pick_open(logits, over, temperature, generator)  # (b,)
             for row, tok, lp, done in zip(live.tolist(), next_ids.tolist(), next_lp.tolist(), over.tolist()):
                 if not done:
                     tokens[row].append(tok)
@@ -229,6 +224,15 @@ class HFBackend:
         all_ids = torch.full_like(over, self.pad_token_id, dtype=torch.long)
         all_lp = torch.zeros(over.shape, dtype=lp.dtype, device=lp.device)
         return all_ids.index_copy_(0, open_rows, ids), all_lp.index_copy_(0, open_rows, lp)
+
+    def _distinct(self, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """The distinct prompts, and for each row the index of its own among them (None: each row runs its own,
+        where the prompts are all distinct or the cache cannot change its batch size)."""
+        index: dict[tuple[int, ...], int] = {}
+        of = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        if not self.drops_finished_rows or len(index) == len(prompts):
+            return prompts, None
+        return [list(p) for p in index], torch.tensor(of, device=self.device)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         P = max(len(p) for p in prompts)

@@ -62,6 +62,17 @@ def test_behaviour_logprobs_equal_token_logprobs_of_the_same_sequence(arch: str)
             torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_a_prompt_runs_once_for_all_its_samples() -> None:
+    _, model, backend, prompts = _setup("llama")
+    rows: list[int] = []  # the batch of each forward through the embedding
+    model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    results = backend.generate([prompts[0], prompts[1], prompts[0]], num_samples=4, max_new_tokens=3,
+                               temperature=1.0, seed=3)
+    assert rows[0] == 2 and rows[1] == 12  # two distinct prompts' forward, then a row per sample
+    assert [len(r) for r in results] == [4, 4, 4]
+    assert len({tuple(s.completion_ids) for r in results for s in r}) > 4  # each row draws its own
+
+
 def test_logprobs_are_those_of_the_tempered_distribution() -> None:
     _, model, backend, prompts = _setup("gpt2", tie_embeddings=False)
     (samples,) = backend.generate(prompts[:1], num_samples=2, max_new_tokens=6, temperature=0.5, seed=1)

@@ -1,11 +1,13 @@
-"""token_logprobs: equal to the full-vocabulary reference, padding-invariant, differentiable."""
+"""token_logprobs: equal to the full-vocabulary reference, padding-invariant, differentiable; a group's shared
+prompt run once by completion_logprobs, to the same log-probs and gradients."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from policies.logprobs import token_logprobs
+from policies.logprobs import completion_logprobs, pack, token_logprobs
 from policies.models import build_policy
 from test_models_fixtures import pad_id, real_tokenizer, tiny_spec
 
@@ -68,3 +70,32 @@ def test_target_at_position_zero_is_refused() -> None:
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="no prefix"):
         token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+
+
+def _embedded_tokens(model) -> list[int]:
+    """Token positions through the input embedding, per forward (appended as forwards run)."""
+    seen: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_groups_prompt_runs_once_with_the_log_probs_and_gradients_of_whole_sequences(arch: str) -> None:
+    tokenizer = real_tokenizer(tiny_spec(arch).tokenizer)
+    model = build_policy(tiny_spec(arch), tokenizer, seed=0).eval()
+    long, short = [5, 17, 900, 31, 2000, 7, 8, 9, 10, 11], [44, 1000, 3]
+    prompts = [long] * 3 + [short] * 2 + [[8, 9]]  # two groups, and a prompt of its own
+    completions = [[12, 13, 14], [15], [], [16, 17, 18, 19], [20, 21], [22, 23]]  # one sample reward-only
+    packed = pack([np.array(p) for p in prompts], [np.array(c) for c in completions], pad_id(tokenizer))
+    assert packed.prompt_of.tolist() == [0, 0, 0, 1, 1, 2]
+    seen = _embedded_tokens(model)
+    shared = completion_logprobs(model, packed)
+    shared_grads = torch.autograd.grad(shared.sum(), list(model.parameters()))
+    # the prompts' forward (3 distinct x 10 positions), then the completions' (6 rows x 4 tokens), not 6 x 14
+    assert seen == [3 * 10, 6 * 4]
+    whole = token_logprobs(model, packed.input_ids, packed.attention_mask, packed.target_mask)
+    whole = whole.gather(1, packed.gather_index) * packed.comp_mask
+    torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
+    assert torch.all(shared[packed.comp_mask.bool()] < 0) and torch.all(shared[~packed.comp_mask.bool()] == 0)
+    for got, want in zip(shared_grads, torch.autograd.grad(whole.sum(), list(model.parameters()))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
