@@ -18,9 +18,11 @@ from pathlib import Path
 
 import msgspec
 
+from engine.config.schema import cache_root
 from engine.runtime.rundir import config_toml
 from experiments.grid import Grid, PlannedRun
 from experiments.results import read_run
+from policies import sources
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
 
@@ -58,7 +60,40 @@ def changed(path: Path, run: PlannedRun) -> bool:
         ran = msgspec.convert(tomllib.loads(saved.read_text()), type(run.config))
     except (tomllib.TOMLDecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return True
-    return ran != run.config
+    return _sources_as_planned(ran, run.config) != run.config
+
+
+def _sources_as_planned(ran, planned):
+    """``ran`` with each model's checkpoint (and the tokenizer taken from it) written as ``planned`` names it,
+    where both name the same weights: a run saves its checkpoint resolved (a GGUF file or ``pkg:`` source as
+    its converted directory, a Hub id as its snapshot), which a plan made without this machine's checks (a
+    dry run), or with another cache folder, writes otherwise."""
+    if len(ran.models) != len(planned.models):
+        return ran
+    root = cache_root(planned)
+    models = []
+    for r, p in zip(ran.models, planned.models):
+        if r.checkpoint and p.checkpoint and r.checkpoint != p.checkpoint and _same_weights(p.checkpoint, r.checkpoint,
+                                                                                            root):
+            tokenizer = p.tokenizer if r.tokenizer in (r.checkpoint, p.tokenizer) else r.tokenizer
+            r = msgspec.structs.replace(r, checkpoint=p.checkpoint, tokenizer=tokenizer)
+        models.append(r)
+    return msgspec.structs.replace(ran, models=models)
+
+
+def _same_weights(planned: str, saved: str, root: Path) -> bool:
+    """Whether the checkpoint a plan names is the directory a run saved: the same path once resolved, or the
+    conversion of the same GGUF file (named by its contents) in any cache folder."""
+    saved_dir = Path(saved)
+    try:
+        source = sources.resolve(planned, root)
+    except sources.SourceError:  # not on this machine (a dry run elsewhere): judged by the file's name
+        stem = Path(planned.removeprefix(sources.PACKAGE_PREFIX)).stem
+        return planned.endswith(".gguf") and saved_dir.parent.name == sources.GGUF_DIR \
+            and saved_dir.name.startswith(stem + "-")
+    converted = source.gguf is not None or source.directory.parent.name == sources.GGUF_DIR
+    return source.directory == saved_dir or (converted and saved_dir.parent.name == sources.GGUF_DIR
+                                             and saved_dir.name == source.directory.name)
 
 
 def is_done(out: Path, run: PlannedRun) -> bool:

@@ -150,6 +150,41 @@ def test_a_finished_run_counts_while_its_config_is_the_one_planned(tmp_path):
     assert changed(tmp_path, run)
 
 
+def test_a_finished_run_from_a_gguf_file_counts_as_the_file_it_was_converted_from(tmp_path, monkeypatch):
+    """A run saves its checkpoint resolved (the GGUF file's converted directory); a dry run's plan names the file,
+    or a ``pkg:`` source this machine lacks, and another machine's cache folder holds the conversion elsewhere."""
+    import msgspec
+
+    from engine.runtime.rundir import config_toml
+    from experiments.runner import changed
+    from policies import sources
+
+    weights, other = tmp_path / "weights.gguf", tmp_path / "other.gguf"
+    weights.write_bytes(b"GGUF weights")
+    other.write_bytes(b"GGUF other weights")
+    monkeypatch.setenv("MUTUAL_RL_CACHE", str(tmp_path / "cache"))
+    run = plan(load_grid(ROOT / "configs/experiments/cpu.toml"))[0]
+
+    def with_model(checkpoint: str, tokenizer: str):
+        model = msgspec.structs.replace(run.config.models[0], checkpoint=checkpoint, tokenizer=tokenizer)
+        return msgspec.structs.replace(run.config, models=[model, *run.config.models[1:]])
+
+    def saved_as(gguf, root):
+        converted = str(sources.resolve(str(gguf), root).directory)  # what a run writes in its config.toml
+        (tmp_path / "config.toml").write_bytes(config_toml(with_model(converted, converted)))
+
+    def planned(checkpoint: str):
+        return msgspec.structs.replace(run, config=with_model(checkpoint, ""))  # its tokenizer: the checkpoint's
+
+    saved_as(weights, tmp_path / "elsewhere")
+    assert not changed(tmp_path, planned(str(weights)))  # the file, converted in another cache folder
+    assert changed(tmp_path, planned(str(other)))  # another file
+    assert not changed(tmp_path, planned("pkg:not_installed_here/weights.gguf"))  # judged by its name
+    assert changed(tmp_path, planned("pkg:not_installed_here/other.gguf"))
+    saved_as(other, tmp_path / "cache")
+    assert not changed(tmp_path, planned(str(other)))
+
+
 @pytest.mark.parametrize("text,expected", [
     ('arms = []', "arms: must not be empty"),
     ('arms = ["grpo", "nope"]', "unknown objective"),
