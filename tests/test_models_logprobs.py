@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from policies.logprobs import completion_logprobs, pack, token_logprobs
+from policies.logprobs import Packed, completion_logprobs, pack, token_logprobs
 from policies.models import build_policy
+from policies.spec import ModelSpec
 from test_models_fixtures import pad_id, real_tokenizer, tiny_spec
 
 SEQUENCES = [[5, 17, 900, 31, 2000, 7], [44, 1000, 3], [8, 9, 10, 11]]
@@ -79,23 +80,41 @@ def _embedded_tokens(model) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_groups_prompt_runs_once_with_the_log_probs_and_gradients_of_whole_sequences(arch: str) -> None:
-    tokenizer = real_tokenizer(tiny_spec(arch).tokenizer)
-    model = build_policy(tiny_spec(arch), tokenizer, seed=0).eval()
+def _shared_and_whole(model, pad: int) -> tuple[list[int], Packed]:
+    """completion_logprobs on two groups, a prompt of its own and a reward-only row, checked against one forward
+    over every whole sequence (log-probs and every parameter's gradient); returns the tokens each forward
+    embedded, and the packing."""
     long, short = [5, 17, 900, 31, 2000, 7, 8, 9, 10, 11], [44, 1000, 3]
-    prompts = [long] * 3 + [short] * 2 + [[8, 9]]  # two groups, and a prompt of its own
-    completions = [[12, 13, 14], [15], [], [16, 17, 18, 19], [20, 21], [22, 23]]  # one sample reward-only
-    packed = pack([np.array(p) for p in prompts], [np.array(c) for c in completions], pad_id(tokenizer))
-    assert packed.prompt_of.tolist() == [0, 0, 0, 1, 1, 2]
+    prompts = [long] * 3 + [short] * 2 + [[8, 9]]
+    completions = [[12, 13, 14], [15], [], [16, 17, 18, 19], [20, 21], [22, 23]]
+    packed = pack([np.array(p) for p in prompts], [np.array(c) for c in completions], pad)
     seen = _embedded_tokens(model)
     shared = completion_logprobs(model, packed)
     shared_grads = torch.autograd.grad(shared.sum(), list(model.parameters()))
-    # the prompts' forward (3 distinct x 10 positions), then the completions' (6 rows x 4 tokens), not 6 x 14
-    assert seen == [3 * 10, 6 * 4]
+    embedded = list(seen)
     whole = token_logprobs(model, packed.input_ids, packed.attention_mask, packed.target_mask)
     whole = whole.gather(1, packed.gather_index) * packed.comp_mask
     torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
     assert torch.all(shared[packed.comp_mask.bool()] < 0) and torch.all(shared[~packed.comp_mask.bool()] == 0)
     for got, want in zip(shared_grads, torch.autograd.grad(whole.sum(), list(model.parameters()))):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    return embedded, packed
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_groups_prompt_runs_once_with_the_log_probs_and_gradients_of_whole_sequences(arch: str) -> None:
+    tokenizer = real_tokenizer(tiny_spec(arch).tokenizer)
+    model = build_policy(tiny_spec(arch), tokenizer, seed=0).eval()
+    embedded, packed = _shared_and_whole(model, pad_id(tokenizer))
+    assert packed.prompt_of.tolist() == [0, 0, 0, 1, 1, 2]
+    # the prompts' forward (3 distinct x 10 positions), then the completions' (6 rows x 4 tokens), not 6 x 14
+    assert embedded == [3 * 10, 6 * 4]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "phi3"])
+def test_other_families_run_a_groups_prompt_once_alike(arch: str) -> None:
+    """Each family's own cache (gemma2's has sliding-window layers) indexed out to a row per sample."""
+    tokenizer = real_tokenizer("qwen2")
+    spec = ModelSpec(name="m", arch=arch, tokenizer="qwen2", n_layer=2, n_embd=64, n_head=2)
+    embedded, _ = _shared_and_whole(build_policy(spec, tokenizer, seed=0).eval(), pad_id(tokenizer))
+    assert embedded == [3 * 10, 6 * 4]
