@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from engine.weights.channel import WeightReader, WeightSyncError, WeightWriter
+from engine.weights.places import OWNER, channel_root
 
 CTX = mp.get_context("spawn")
 
@@ -34,7 +40,7 @@ def _set(model: torch.nn.Module, value: float) -> None:
 def _reader(directory: str, commands, out) -> None:
     """Load on every "load" command; report (version, the set of values in the weights)."""
     model = _model(fill=-1.0)
-    reader = WeightReader(__import__("pathlib").Path(directory), model)
+    reader = WeightReader(Path(directory), model)
     while (cmd := commands.get(timeout=60)) != "stop":
         if cmd == "load":
             version = reader.load()
@@ -170,3 +176,26 @@ def test_a_reader_of_another_model_shape_is_told_why(tmp_path):
     with pytest.raises(WeightSyncError, match="different model specs"):
         reader.load()
     writer.close()
+
+
+def test_a_run_removes_the_channels_of_a_dead_coordinator_and_keeps_a_live_ones():
+    """A killed coordinator cannot remove its channels (a whole model in RAM): the next run on the host does,
+    and leaves alone those of a coordinator still alive and a root without an owner file."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    tag = uuid.uuid4().hex[:8]
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    dead, live, unowned = (base / f"mutual-rl-test-{tag}-{n}" for n in ("dead", "live", "unowned"))
+    for root, owner in ((dead, gone.pid), (live, os.getpid()), (unowned, None)):
+        root.mkdir()
+        (root / "slot").write_bytes(b"w")
+        if owner is not None:
+            (root / OWNER).write_text(str(owner))
+    mine = channel_root(f"test-{tag}-mine")
+    try:
+        assert not dead.exists()
+        assert (live / "slot").exists() and (unowned / "slot").exists()
+        assert (mine / OWNER).read_text() == str(os.getpid())
+    finally:
+        for root in (dead, live, unowned, mine):
+            shutil.rmtree(root, ignore_errors=True)
