@@ -47,6 +47,7 @@ def test_overrides_reach_nested_and_list_fields():
          "models.0.arch: 'lama' is not a causal-LM model_type of the installed transformers (did you mean llama"),
         ("[train]\nsteps = 0\n[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "train.steps: expected int >= 1, got 0"),
         ("[[models]]\nname='a'\narch='gpt2'\ntokenizer='gpt2'\n", "needs >= 2 models"),
+        ("[timeouts]\nnode_silent_s = 2\n", "timeouts.node_silent_s: expected float >= 6.0, got 2"),
         ("this is = not toml [", "not valid TOML"),
     ],
 )

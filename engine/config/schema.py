@@ -157,6 +157,7 @@ class TimeoutSection(_Section):
     halt_s: PosFloat = 60.0  # generators finish their units after the stop
     final_s: PosFloat = 600.0  # learners checkpoint and run the final evaluation after the stop
     stop_s: PosFloat = 10.0  # a process told to stop exits within this, else it is killed
+    node_silent_s: Annotated[float, Meta(ge=6.0)] = 30.0  # a node silent this long is gone (a beat every 2 s)
 
 
 class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

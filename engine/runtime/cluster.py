@@ -29,8 +29,7 @@ import msgspec
 
 from exchange.security import ClientKeys, CurveServer
 
-HEARTBEAT_S = 2.0  # both sides say they are alive this often ...
-SILENT_S = 30.0  # ... and a side silent this long is gone (a node agent stops its workers and exits)
+HEARTBEAT_S = 2.0  # both sides say they are alive this often; one silent for timeouts.node_silent_s is gone
 NODE_WAIT_S = 300.0  # how long the launchers wait for each other at the start (node 0 loads its config first)
 INSECURE = "MUTUAL_RL_CLUSTER_INSECURE"  # "1": the nodes' network is private (plain tcp between them is accepted)
 KEYS = "MUTUAL_RL_CLUSTER_KEYS"  # a directory holding cluster.key and cluster.key_secret: CurveZMQ between nodes
@@ -63,6 +62,7 @@ class ClusterPlan(msgspec.Struct, frozen=True):
     run_id: str = ""
     marker: str = ""  # the content of run_dir/MARKER
     keys: str = ""  # node 0's KEYS (every node reads the pair there: a shared filesystem, or the same path)
+    silent_s: float = 30.0  # node 0's timeouts.node_silent_s: a node agent whose coordinator is silent this long stops
     error: str = ""  # node 0 could not start the run (a bad config): every node says it and exits 2
 
 

@@ -4,7 +4,8 @@ It runs no part of the job itself. It connects to the coordinator's plane as ``n
 spawns the actors the coordinator places here (``Spawn``), says when one exits
 (``ActorExited``), signals one when asked, keeps this node's weight channels fresh (a
 ``Relay`` from node 0's hub), and stops everything on ``NodeStop``. If the coordinator falls
-silent for ``SILENT_S`` it stops its actors and exits 1: nothing outlives the run on any node.
+silent for ``timeouts.node_silent_s`` (node 0's, in the plan) it stops its actors and exits 1:
+nothing outlives the run on any node.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from engine.runtime import actors
-from engine.runtime.cluster import HEARTBEAT_S, MARKER, SILENT_S, ClusterPlan, Node, address_toward, client_keys
+from engine.runtime.cluster import HEARTBEAT_S, MARKER, ClusterPlan, Node, address_toward, client_keys
 from engine.runtime.plane import ActorExited, NodeBeat, NodeDone, NodeHello, NodeStop, Signal, Spawn, ToNode, WorkerPlane
 from engine.weights.places import channel_root
 from engine.weights.relay import Relay
@@ -90,8 +91,8 @@ class NodeAgent:
                 codes = {name: a.exitcode if a.exitcode is not None else -9 for name, a in self.local.items()}
                 await self.plane.send(NodeDone(self.node.rank, codes))
                 return 0
-            if time.time() - self.last_heard > SILENT_S:
-                self.say(f"the coordinator ({self.plan.plane}) said nothing for {SILENT_S:.0f}s: stopping this "
+            if time.time() - self.last_heard > self.plan.silent_s:
+                self.say(f"the coordinator ({self.plan.plane}) said nothing for {self.plan.silent_s:g}s: stopping this "
                          "node's workers")
                 await asyncio.to_thread(actors.stop_all, list(self.local.values()), 0.0)
                 return 1

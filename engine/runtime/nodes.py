@@ -3,7 +3,7 @@
 A worker on node r > 0 is an ``Actor`` like any other, whose process is a ``RemoteProcess``:
 its node agent (``engine.runtime.node_agent``) spawned it, says when it exits, and signals it
 when asked, so the failure policy, the halt and the audit treat it as they treat a local one.
-Both sides beat every ``HEARTBEAT_S``; a node silent for ``SILENT_S`` ends the run (its workers
+Both sides beat every ``HEARTBEAT_S``; a node silent for ``timeouts.node_silent_s`` ends the run (its workers
 went with it, and no node is started again in a run).
 """
 
@@ -16,7 +16,7 @@ import threading
 import time
 
 from engine.runtime import actors
-from engine.runtime.cluster import (HEARTBEAT_S, MARKER, NODE_WAIT_S, SILENT_S, ClusterError, ClusterPlan, Node,
+from engine.runtime.cluster import (HEARTBEAT_S, MARKER, NODE_WAIT_S, ClusterError, ClusterPlan, Node,
                                     client_keys, share_plan)
 from engine.runtime.plane import (ActorExited, CoordinatorPlane, NodeBeat, NodeDone, NodeHello, NodeStop, Signal,
                                   Spawn)
@@ -49,8 +49,8 @@ class RemoteProcess:
 class NodeLink:
     """Nodes 1..N-1 as the coordinator sees them: addresses, channel roots, remote actors, heartbeats."""
 
-    def __init__(self, node: Node, plane: CoordinatorPlane):
-        self.node, self.plane = node, plane
+    def __init__(self, node: Node, plane: CoordinatorPlane, silent_s: float):
+        self.node, self.plane, self.silent_s = node, plane, silent_s
         self.hello: dict[int, NodeHello] = {}
         self.seen: dict[int, float] = {}
         self.remote: dict[str, RemoteProcess] = {}
@@ -124,8 +124,8 @@ class NodeLink:
                 await self.plane.send(f"node{r}", NodeBeat())
             now = time.time()
             for r in self.others:
-                if now - self.seen.get(r, now) > SILENT_S:
-                    return (f"node {r} ({self.address(r)}) said nothing for {SILENT_S:.0f}s: its workers are lost "
+                if now - self.seen.get(r, now) > self.silent_s:
+                    return (f"node {r} ({self.address(r)}) said nothing for {self.silent_s:g}s: its workers are lost "
                             "with it; a run does not continue without one of its nodes")
             await asyncio.sleep(HEARTBEAT_S)
 
@@ -150,7 +150,7 @@ async def start_cluster(c) -> None:
     gets the plan and connects (its tasks join ``c.tasks``; a node that falls silent makes the run fail)."""
     from engine.weights.relay import Relay, WeightsHub
 
-    c.nodes = NodeLink(c.node, c.plane)
+    c.nodes = NodeLink(c.node, c.plane, c.cfg.timeouts.node_silent_s)
     c.weights_hub = WeightsHub(c.host, c.curve)
     c.relay = Relay(c.weights_hub.outbound, c.weights_root, client_keys(c.node.keys))  # node 0's own channels
 
@@ -164,6 +164,7 @@ async def start_cluster(c) -> None:
     marker = secrets.token_hex(8)
     (c.run_dir / MARKER).write_text(marker)
     await c.nodes.gather(ClusterPlan(c.plane.endpoint, c.weights_hub.outbound, str(c.run_dir.resolve()),
-                                     c.run_dir.name, marker, keys=c.node.keys), c.cfg.timeouts.worker_start_s)
+                                     c.run_dir.name, marker, keys=c.node.keys, silent_s=c.cfg.timeouts.node_silent_s),
+                         c.cfg.timeouts.worker_start_s)
     c.say(f"[cluster] {c.node.nodes} nodes: " + ", ".join(f"node {r} at {c.nodes.address(r)}"
                                                           for r in range(c.node.nodes)))
