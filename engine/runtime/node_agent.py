@@ -82,9 +82,8 @@ class NodeAgent:
                 msg = None
             if msg is not None:
                 self.last_heard = time.time()
-            if isinstance(msg, Spawn):  # in a thread: a first spawn waits for the fork server, the beats go on
-                self.local[msg.name] = await asyncio.to_thread(actors.spawn, msg.name, msg.entry, msg.payload,
-                                                               msg.threads)
+            if isinstance(msg, Spawn):
+                self.local[msg.name] = actors.spawn(msg.name, msg.entry, msg.payload, msg.threads)
             elif isinstance(msg, Signal) and msg.name in self.local and self.local[msg.name].alive:
                 os.kill(self.local[msg.name].process.pid, msg.signum)
             elif isinstance(msg, NodeStop):
@@ -101,7 +100,7 @@ class NodeAgent:
     async def _beat(self) -> None:
         while True:
             await self.plane.send(NodeBeat())
-            for name, actor in list(self.local.items()):  # a spawn may add one while a report is sent
+            for name, actor in self.local.items():
                 if not actor.alive and name not in self.reported:
                     self.reported.add(name)
                     await self.plane.send(ActorExited(self.node.rank, name, actor.exitcode))
