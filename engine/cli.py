@@ -202,25 +202,27 @@ def train(cfg, run_dir, resume: bool = False, node=None) -> int:
         # torch) would hold the terminal's pipes open after ours
         _stop_actor_server()
         wandb_sink.finish(sink)
-    return finish_with_report(code, run_dir)
+    return finish_with_report(code, run_dir, cfg.run.report)
 
 
-def finish_with_report(code: int, run_dir) -> int:
-    """Every run ends with its report (``monitor.report``) when it trained at all; a report problem never
-    changes the run's exit code."""
+def finish_with_report(code: int, run_dir, report: bool = True) -> int:
+    """Every run ends with its report (``monitor.report``) when it trained at all, unless ``run.report`` is off;
+    a report problem never changes the run's exit code."""
     from engine.runtime.rundir import said_size
-    from monitor.report import ReportError, write_report
 
-    try:
-        print(f"report: {write_report([run_dir])}", flush=True)
-    except ReportError:
-        pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
+    if report:
+        from monitor.report import ReportError, write_report
+
+        try:
+            print(f"report: {write_report([run_dir])}", flush=True)
+        except ReportError:
+            pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
     print(said_size(run_dir), flush=True)
     return code
 
 
 RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
-             "run.wandb", "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides the training
+             "run.wandb", "run.report", "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides the training
 
 
 def resume_command(args: argparse.Namespace) -> int:

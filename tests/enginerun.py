@@ -24,10 +24,12 @@ class Run:
     """``launch.py run`` in its own session (so a Ctrl-C reaches its whole process group, as in a terminal)."""
 
     def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml",
-                 node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None):
+                 node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None, report: bool = False):
         """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster on loopback, started by torchrun
-        as on a real cluster (rendezvous at 127.0.0.1:port)."""
+        as on a real cluster (rendezvous at 127.0.0.1:port). ``report``: the run ends with its report (its plots
+        cost a few CPU-seconds a run; tests/test_resume.py checks a run's own, tests/test_report.py the rest)."""
         self.run_dir = run_dir
+        overrides = (*overrides, f"run.report={str(report).lower()}")
         launcher = [sys.executable, str(ROOT / "launch.py")]
         if node is not None:
             nodes, rank, port = node

@@ -38,6 +38,7 @@ def test_smoke_run_completes_and_writes_its_run_dir(smoke_run):
     assert "mutual RL summary" in run.out and "lost 0, duplicated 0" in run.out
     assert (run.run_dir / "config.toml").exists() and not (run.run_dir / "FAILED").exists()
     assert not (run.run_dir / "INTERRUPTED").exists()
+    assert "report: " not in run.out and not (run.run_dir / "report.md").exists()  # run.report=false (enginerun.Run)
     finals = {r["model"]: r for r in run.events("final")}
     assert set(finals) == {"gpt2", "llama"}
     for final in finals.values():

@@ -89,7 +89,7 @@ def test_a_dead_sharded_rank_restarts_its_group_from_the_checkpoint(tmp_path, en
 
 
 def test_a_sharded_group_without_a_checkpoint_takes_its_model_out(tmp_path, engine_cache):
-    run = _follower_killed(tmp_path, engine_cache, steps=40, checkpoint_every=0, at_step=2)
+    run = _follower_killed(tmp_path, engine_cache, steps=10, checkpoint_every=0, at_step=2)
     assert run.finish() != 0, run.out[-3000:]
     left = run.events("model_left")
     assert [r["gen_model"] for r in left] == ["llama"] and "no checkpoint" in left[0]["reason"], left

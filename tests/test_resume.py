@@ -114,7 +114,7 @@ def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tm
     second.finish()
     assert second.leftover() == [], "a killed launcher left processes behind"
 
-    third = Run(run.run_dir, None)
+    third = Run(run.run_dir, None, report=True)
     _check_resumed(third, steps)
     assert "[resume] gpt2: from step" in third.out and "logged samples to replay" in third.out
     assert "[resume] workers take the roles they had when the run stopped: w0 generator:llama" in third.out

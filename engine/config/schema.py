@@ -63,6 +63,7 @@ class RunSection(_Section):
     # the same metrics to Weights & Biases (an extra: pip install -e '.[wandb]'): "offline" writes RUN_DIR/wandb/
     # for a later `wandb sync`, "online" streams to a project set up with `wandb login`
     wandb: Literal["off", "offline", "online"] = "off"
+    report: bool = True  # end with RUN_DIR/report.md and its plots (off: `launch.py report RUN_DIR` writes them later)
 
 
 class TrainSection(_Section):

@@ -100,7 +100,7 @@ class NodeAgent:
     async def _beat(self) -> None:
         while True:
             await self.plane.send(NodeBeat())
-            for name, actor in self.local.items():
+            for name, actor in list(self.local.items()):  # a Spawn may add one while a send waits
                 if not actor.alive and name not in self.reported:
                     self.reported.add(name)
                     await self.plane.send(ActorExited(self.node.rank, name, actor.exitcode))

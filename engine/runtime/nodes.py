@@ -122,19 +122,24 @@ class NodeLink:
         while True:
             for r in self.others:
                 await self.plane.send(f"node{r}", NodeBeat())
-            now = time.time()
-            for r in self.others:
-                if now - self.seen.get(r, now) > self.silent_s:
-                    return (f"node {r} ({self.address(r)}) said nothing for {self.silent_s:g}s: its workers are lost "
-                            "with it; a run does not continue without one of its nodes")
+            if silent := self.silent():
+                return (f"node {silent[0]} ({self.address(silent[0])}) said nothing for {self.silent_s:g}s: its "
+                        "workers are lost with it; a run does not continue without one of its nodes")
             await asyncio.sleep(HEARTBEAT_S)
 
+    def silent(self) -> list[int]:
+        """The nodes not heard from for ``silent_s``: gone, with every actor they ran for us."""
+        now = time.time()
+        return [r for r in self.others if now - self.seen.get(r, now) > self.silent_s]
+
     async def stop(self, grace_s: float) -> None:
-        """Every node stops its actors and answers; the plane is read here (the coordinator's listener is gone)."""
-        for r in self.others:
+        """Every node stops its actors and answers; the plane is read here (the coordinator's listener is gone).
+        A silent node is not waited for: it cannot answer, and its actors are counted killed."""
+        answering = set(self.others) - set(self.silent())
+        for r in sorted(answering):
             await self.plane.send(f"node{r}", NodeStop(grace_s))
         deadline = time.time() + grace_s + 10.0
-        while set(self.done) != set(self.others) and time.time() < deadline:
+        while not answering <= set(self.done) and time.time() < deadline:
             try:
                 sender, msg = await asyncio.wait_for(self.plane.recv(), max(0.1, deadline - time.time()))
             except TimeoutError:
