@@ -1,6 +1,6 @@
 """The end of a run, one path whatever triggers it (every model done, the time limit, Ctrl-C/SIGTERM, a
 failure): generators halt first (their last experience reaches the log), then learners (leaders
-checkpoint and evaluate), then every process is stopped (join, SIGTERM, SIGKILL), so no process,
+checkpoint and evaluate), then every process is stopped (join, then SIGKILL), so no process,
 socket or shared-memory slot outlives the run. ``run`` is the ``engine.coordinator.Coordinator``.
 """
 

@@ -180,18 +180,14 @@ def call_forked(func, *args):
 
 
 def stop_all(actors: list[Actor], grace_s: float = 10.0) -> None:
-    """Wait up to ``grace_s`` for actors to exit, then SIGTERM (a plain process), then SIGKILL."""
+    """Wait up to ``grace_s`` for actors to exit, then SIGKILL the rest (an actor ignores SIGTERM: see
+    ``actor_main``; it is stopped by message, and a SIGTERM would only make its killing wait)."""
     deadline = time.time() + grace_s
     for actor in actors:
         actor.process.join(timeout=max(0.0, deadline - time.time()))
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
-        left = [a for a in actors if a.alive]
-        if not left:
-            return
-        for actor in left:
-            try:
-                os.kill(actor.process.pid, sig)
-            except ProcessLookupError:
-                pass
-        for actor in left:
-            actor.process.join(timeout=wait)
+    left = [a for a in actors if a.alive]
+    for actor in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(actor.process.pid, signal.SIGKILL)
+    for actor in left:
+        actor.process.join(timeout=3.0)
