@@ -110,7 +110,7 @@ def test_a_silent_peer_is_presumed_gone_and_its_peer_trains_solo(tmp_path, engin
     # w0 generates gpt2, w1 llama, w2 learns gpt2, w3 llama; at llama's step 2 it loses its only generator.
     # gpt2's steps come a second or so apart, a few seconds with the suite's other workers beside it: 8 s of
     # silence is llama's alone
-    run = _pool_run(tmp_path, engine_cache, *static_pool(4, 40, (1, 1, 1, 1)), "timeouts.peer_silent_s=8",
+    run = _pool_run(tmp_path, engine_cache, *static_pool(4, 20, (1, 1, 1, 1)), "timeouts.peer_silent_s=8",
                     "timeouts.peer_wait_s=1", "train.max_model_lead_steps=2",
                     script(("llama", 2, "w1", "idle", "")))
     assert run.finish() == 1, run.out[-3000:]  # llama could not finish: the run says so
@@ -120,7 +120,7 @@ def test_a_silent_peer_is_presumed_gone_and_its_peer_trains_solo(tmp_path, engin
     solo = [s for s in run.steps("gpt2") if s["solo"]]
     assert solo and all(s["peers_gone"] == ["llama"] and s["peer_wait_s"] < 1.0 for s in solo)
     steps = run.result()["steps"]
-    assert steps["gpt2"] == 40 and steps["gpt2"] > steps["llama"] + 2 + 3, steps  # far past the lead limit
+    assert steps["gpt2"] == 20 and steps["gpt2"] > steps["llama"] + 2 + 3, steps  # far past the lead limit
     assert run.leftover() == []
 
 
