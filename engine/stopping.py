@@ -55,6 +55,9 @@ async def shutdown(run) -> None:
         if task is not None:
             task.cancel()
     procs, grace = list(run.actors.values()), run.cfg.timeouts.stop_s
+    if hasattr(run, "plane"):  # a failed run skipped the halt: its workers are still told to stop, not left to
+        halt = Halt("end of run")  # wait out the grace (after a halt they are gone already: nothing is sent)
+        await run.send_all([(name, halt) for name, a in run.actors.items() if name != "broker" and a.alive])
     await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker" and a.local], grace)
     if run.nodes is not None:
         await run.nodes.stop(grace)  # every other node stops the workers it runs for us
