@@ -205,7 +205,7 @@ def train(cfg, run_dir, resume: bool = False, node=None) -> int:
     return finish_with_report(code, run_dir, cfg.run.report)
 
 
-def finish_with_report(code: int, run_dir, report: bool = True) -> int:
+def finish_with_report(code: int, run_dir, report: bool) -> int:
     """Every run ends with its report (``monitor.report``) when it trained at all, unless ``run.report`` is off;
     a report problem never changes the run's exit code."""
     from engine.runtime.rundir import said_size
@@ -221,8 +221,9 @@ def finish_with_report(code: int, run_dir, report: bool = True) -> int:
     return code
 
 
+# what may differ from the stopped run: the rest decides the training
 RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
-             "run.wandb", "run.report", "eval.", "timeouts.")  # what may differ from the stopped run: the rest decides the training
+             "run.wandb", "run.report", "eval.", "timeouts.")
 
 
 def resume_command(args: argparse.Namespace) -> int:
