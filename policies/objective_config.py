@@ -22,7 +22,8 @@ class SurrogateConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     std_normalise: bool = True  # A = (r - mean) / (std + eps); False -> Dr.GRPO mean-only A = r - mean
     adv_eps: float = 1e-6  # keeps zero-variance groups finite (their advantages are exactly 0)
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"  # how token losses become one scalar
-    kl_coef: float = 0.0  # k3 KL to the reference policy; needs batch.ref_logp when > 0
+    # TRL's beta: the loss adds kl_coef * k3 KL(policy || starting weights) over own tokens (obj/kl: KL per token)
+    kl_coef: float = 0.0  # > 0 keeps a frozen copy of the starting weights on each learner (LoRA: base, adapters off)
 
     @property
     def kind(self) -> str:

@@ -24,6 +24,7 @@ from engine.runtime.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
+from engine.train.reference import Reference
 from engine.train.step import peers_for, train_share
 from gloo_ranks import leave_group, spawn_ranks
 
@@ -34,6 +35,7 @@ CASES = {
     "grpo_seq": ({"kind": "grpo", "aggregation": "seq_mean"}, [0, 1, 2, 3]),
     "prp": ({"kind": "prp"}, [0, 1, 2, 3]),
     "sgt": ({"kind": "sgt", "lambda": 0.5}, [0, 1, 2, 3]),
+    "grpo_kl": ({"kind": "grpo", "kl_coef": 0.5}, [0, 1, 2, 3]),  # the KL's own denominator (a reference: _model)
     "grpo_empty_share": ({"kind": "grpo"}, [0]),
     "prp_empty_share": ({"kind": "prp"}, [0]),
 }
@@ -46,20 +48,24 @@ def _objective(name: str):
 
 
 @functools.cache
-def _initial_model():
+def _initial_model(seed: int = 1):
     from policies.models import ModelSpec, build_policy
     from tokenbridge import load_tokenizer
 
     tok = load_tokenizer("gpt2")
     spec = ModelSpec(name="tiny", arch="gpt2", tokenizer="gpt2", n_layer=1, n_embd=32, n_head=2, max_seq_len=48)
-    return build_policy(spec, tok, seed=1).train(), tok.eos_token_id
+    return build_policy(spec, tok, seed=seed).train(), tok.eos_token_id
 
 
-def _model():
-    """A fresh state on the same initial weights (built once per process, copied per case)."""
+def _model(name: str = ""):
+    """A fresh state on the same initial weights (built once per process, copied per case); a KL case's has its
+    reference."""
     initial, pad = _initial_model()
     model = copy.deepcopy(initial)
-    return dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0)), pad
+    state = dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0))
+    if CASES.get(name, ({}, []))[0].get("kl_coef"):
+        state.reference = Reference(_initial_model(seed=2)[0])  # away from the policy: the KL's gradient counts
+    return state, pad
 
 
 def _data(name: str, vocab: int) -> dp.StepData:
@@ -99,7 +105,7 @@ def _rank(rank: int, endpoint: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))  # a deadlock fails the test instead of hanging it
     results = {}
     for name in CASES:
-        state, pad = _model()
+        state, pad = _model(name)
         data, objective = _data(name, state.model.config.vocab_size), _objective(name)
         own, peers = _chosen(objective, data)
         figures = train_share(state, data, own, peers, rank, WORLD, objective, pad, CLIP, LR)
@@ -110,7 +116,7 @@ def _rank(rank: int, endpoint: str, out: str) -> None:
 
 def _one_rank(name: str) -> tuple[dict, dict]:
     """The step on one process, every prompt in one batch."""
-    state, pad = _model()
+    state, pad = _model(name)
     data, objective = _data(name, state.model.config.vocab_size), _objective(name)
     own, peers = _chosen(objective, data)
     figures = train_share(state, data, own, peers, 0, 1, objective, pad, CLIP, LR)
@@ -121,14 +127,15 @@ def _old_scaling(name: str) -> dict:
     """The summed gradient of each share's own loss scaled by its share of the prompts (the step before)."""
     from policies.objectives import compute_loss
 
-    state, pad = _model()
+    state, pad = _model(name)
     data, objective = _data(name, state.model.config.vocab_size), _objective(name)
     own, peers = _chosen(objective, data)
     for r in range(WORLD):
         share = data.prompts[r::WORLD]
         if share:
             batch = build_batch(state.model, [s for s in own if s.prompt_id in share],
-                                [p for p in peers if p.prompt_id in share], share, 0, pad, data.peer_version)
+                                [p for p in peers if p.prompt_id in share], share, 0, pad, data.peer_version,
+                                reference=state.reference)
             loss, _ = compute_loss(batch, objective, torch.Generator().manual_seed(0))
             (loss * len(share) / len(data.prompts)).backward()  # accumulates over the shares
     return _grads(state)
@@ -157,6 +164,9 @@ def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) ->
         if name == "sgt":
             rescued = [r[name]["figures"]["obj/rescue_set_size"] for r in ranks]
             assert rescued == [2.0, 1.0] and figures["obj/rescue_set_size"] == 3.0, "rescues on both, unequal"
+        if name == "grpo_kl":  # each rank's KL is its part of the step's: they add up to the whole batch's
+            assert figures["obj/kl"] > 1e-3
+            assert sum(r[name]["figures"]["obj/kl"] for r in ranks) == pytest.approx(figures["obj/kl"], rel=1e-5)
         if "empty" in name:
             assert ranks[1][name]["figures"]["share_samples"] == 0
             continue

@@ -98,6 +98,10 @@ def _sharding(cfg: RunConfig, origin: Origin) -> None:
             if value != plain:
                 raise origin.error(f"train.{key}", 'applies to sharded learners only: set train.sharding = "fsdp2"')
         return
+    if cfg.objective.kl_coef > 0:
+        raise origin.error("objective.kl_coef", '> 0 is not supported with train.sharding = "fsdp2" yet (its reference '
+                                                'model would be a whole unsharded copy on every rank); set kl_coef = 0 '
+                                                'or sharding = "replicate"')
     lora = [i for i, m in enumerate(cfg.models) if m.lora is not None]
     if lora:
         raise origin.error(f"models.{lora[0]}.lora", 'LoRA is not supported with train.sharding = "fsdp2" yet; '

@@ -15,19 +15,20 @@ from pathlib import Path
 
 import torch
 
-from engine.config import tokenizer_cache
+from engine.config import model_spec, tokenizer_cache
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.tbevents import EventWriter
 from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.ingest import Ingest
 from engine.train.optim import adamw
+from engine.train.reference import starting_reference
 from engine.train.sharding import ShardedTwin
 from engine.weights.ends import weight_writer
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Experience
 from exchange.transport import Subscriber
-from policies.models import pad_token_id
+from policies.models import build_policy, pad_token_id
 from policies.objectives import peer_need
 from tokenbridge import load_tokenizer
 
@@ -65,6 +66,10 @@ class LearnerCore:
         # a CPU generator on any device: its state is what sync_state broadcasts and state_digest hashes
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + cfg.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
+        if cfg.objective.kl_coef > 0:  # the starting weights: the warm start, also when a checkpoint is resumed below
+            warm = worker.plan.warm_checkpoints[model]
+            self.state.reference = starting_reference(self.module, lambda: build_policy(model_spec(self.spec, warm),
+                                                                                        self.tok))
         self.totals = {"own_experiences": 0, "peer_experiences": 0, "peer_used": 0, "peer_misses": 0,
                        "staleness_dropped": 0}
         self.consumed: set[int] = set()  # prompts trained before this run was resumed

@@ -183,6 +183,8 @@ class Worker:
     def _holdings(self) -> list:
         held: list = [p.module for p in self.policies.values()]
         held += [core.state.optimizer for core in self.learners.values()]
+        held += [m for core in self.learners.values() if core.state.reference is not None
+                 for m in core.state.reference.holdings()]
         held += [part for core in self.learners.values() if core.twin is not None for part in core.twin.holdings()]
         if isinstance(self.backend, HFBackend):  # an sglang backend holds its weights in sglang's own processes
             held.append(self.backend.model)
@@ -228,6 +230,8 @@ class Worker:
             del self.learners[m]
             core.close()
             dropped.append(weakref.ref(core.state.optimizer))
+            if core.state.reference is not None:  # the KL term's frozen copy (none for LoRA: the module itself)
+                dropped += [weakref.ref(m) for m in core.state.reference.holdings()]
             for p in core.module.parameters():
                 p.grad = None  # gradients are the learner role's, even where the module stays
         for m in list(self.policies):

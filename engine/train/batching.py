@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from engine.train.reference import Reference
 from policies.batch import ObjectiveBatch
 from policies.logprobs import Packed, completion_logprobs, model_device, pack
 
@@ -74,28 +75,33 @@ def build_batch(
     learner_version: int,
     pad_id: int,
     peer_version: dict[str, int] | None = None,
+    reference: Reference | None = None,
 ) -> ObjectiveBatch:
     """The ObjectiveBatch of one learner step, on ``model``'s device (every path that trains, the sharded one
     too, takes it from here); group index = position of the prompt in ``prompt_order``.
 
-    ``model`` None runs no forward: log-probs are zeros, a CPU batch for counting denominators only
-    (``policies.denominators.local_counts``)."""
-    batch = _host_batch(model, own, peers, prompt_order, learner_version, pad_id, peer_version)
+    ``reference`` (``objective.kl_coef > 0``) gives ``ref_logp``: its log-probs of the own samples, from one
+    forward shaped as the policy's. ``model`` None runs no forward: log-probs (the reference's too) are
+    zeros, a CPU batch for counting denominators only (``policies.denominators.local_counts``)."""
+    batch = _host_batch(model, own, peers, prompt_order, learner_version, pad_id, peer_version, reference)
     return batch if model is None else batch.to(model_device(model))
 
 
 def _host_batch(model, own: list[OwnSample], peers: list[PeerSample], prompt_order: list[int], learner_version: int,
-                pad_id: int, peer_version: dict[str, int] | None) -> ObjectiveBatch:
+                pad_id: int, peer_version: dict[str, int] | None, reference: Reference | None) -> ObjectiveBatch:
     """build_batch's fields: the log-probs where the model is, the rest built on the host."""
     index = {pid: g for g, pid in enumerate(prompt_order)}
     packed = pack([s.prompt_ids for s in own], [s.completion_ids for s in own], pad_id)
     logp = _logprobs(model, packed)
+    # a counting batch (no model) stands zeros in for the reference: the KL site's denominator counts masks
+    ref_logp = None if reference is None else torch.zeros_like(logp) if model is None else reference.logprobs(packed)
     T = logp.shape[1]
     behav = pad_rows([s.behaviour_logprobs for s in own], T, 0.0, np.float32)
     fields = dict(
         logp=logp,
         behav_logp=behav,
         prox_logp=None,  # one optimizer step per batch: the proximal policy is the current one
+        ref_logp=ref_logp,
         mask=packed.comp_mask,
         rewards=torch.tensor([s.reward for s in own], dtype=torch.float32),
         group=torch.tensor([index[s.prompt_id] for s in own], dtype=torch.long),

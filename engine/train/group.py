@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from engine.train.batching import OwnSample, PeerSample
+from engine.train.reference import Reference
 
 STEP, TICK, REGROUP, STOP = 0, 1, 2, 3
 
@@ -56,6 +57,9 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     rng: torch.Generator
     version: int = 0  # optimizer steps taken (= weight version)
+    # the KL term's frozen starting policy (objective.kl_coef > 0): the same on every rank, built by each from
+    # the run's warm start, so never synced or hashed
+    reference: Reference | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:

@@ -48,7 +48,8 @@ def step_totals(state: dp.TrainState, data: dp.StepData, own, peers, pieces: lis
     for piece in (p for p in pieces if p):
         mine = set(piece)
         own_p, peers_p = [s for s in own if s.prompt_id in mine], [p for p in peers if p.prompt_id in mine]
-        counts += local_counts(build_batch(None, own_p, peers_p, piece, state.version, pad_id, data.peer_version),
+        counts += local_counts(build_batch(None, own_p, peers_p, piece, state.version, pad_id, data.peer_version,
+                                           reference=state.reference),
                                objective, state.rng)
     return given_totals(dp.allreduce_counts(counts) if world > 1 else counts)
 
@@ -67,7 +68,8 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     state.optimizer.zero_grad(set_to_none=True)
     totals = step_totals(state, data, own_r, peers_r, [share], world, objective, pad_id) if world > 1 else None
     if share:
-        batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version)
+        batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version,
+                            reference=state.reference)  # ref_logp when objective.kl_coef > 0
         batch.totals = totals  # None on one rank: the batch is the whole step's, divided by its own counts
         loss, stats = compute_loss(batch, objective, state.rng)
         loss.backward()
