@@ -203,7 +203,7 @@ class Coordinator:
             await self.wait_changed(1.0)
 
     async def _drive(self) -> None:
-        display = LiveDisplay(self.cfg, self.preps, enabled=not self.quiet)
+        display = LiveDisplay(self.cfg, self.preps, enabled=not self.quiet, say=self.say, metrics=self.metrics)
         self.say(LiveDisplay.legend(self.cfg))
         self.display, deadline, next_tick = display, self.t_start + self.cfg.run.max_minutes * 60, 0.0
         last_turn = time.time()

@@ -31,6 +31,9 @@ class RunResult(msgspec.Struct):
     formations: list[dict]  # per group formation: epoch, step, digests of every rank (equal = bit-identical)
     timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
     audit: Audit
+    # per model, the share of completions cut at max_new_tokens (no EOS): "before" and "after" RL in the held-out
+    # evaluations, "train" over its own samples of the last steps (engine.runtime.truncation); None: not measured
+    truncated: dict[str, dict[str, float | None]] = {}
 
 
 def prompts_trained_by_all(c) -> set[int]:
@@ -52,6 +55,10 @@ def write_result(c) -> RunResult:
     audit = audit_log(c.run_dir / "experience_log", stayed, c.cfg.train.group_size, c.trained,
                       {m: f.queued_prompt_ids for m, f in c.finals.items()}, c.dispatch.done_prompts,
                       c.dispatch.retaken, c.run_dir.name, vocab_sizes(c))
+    if hasattr(c, "display"):  # every final is in: their cut, and a short run's training window, judged once
+        for m in c.names:
+            if m in c.finals:
+                c.display.cut.finished(c.finals[m])
     duration = max(c.t_stop - c.t_start, 1e-9)
     samples = len(c.useful) * c.cfg.train.group_size * len(stayed)
     result = RunResult(duration_s=round(duration, 2), trained_prompts=len(prompts_trained_by_all(c)),
@@ -62,12 +69,24 @@ def write_result(c) -> RunResult:
                        left_the_run=dict(c.failures.left), gen_busy_s=c.busy["gen"],
                        train_busy_s=c.busy["train"],
                        formations=sorted(c.formations.values(), key=lambda r: (r["model"], r["epoch"])),
-                       timeline=c.timeline, audit=audit)
+                       timeline=c.timeline, audit=audit, truncated=truncated(c))
     (c.run_dir / "run_result.json").write_bytes(msgspec.json.encode(result))
     if not audit.ok:
         c.failures.fail(f"the audit of the experience log found {audit.lost} lost and {audit.duplicates} "
                         "duplicated experiences")
     return result
+
+
+def truncated(c) -> dict[str, dict[str, float | None]]:
+    """RunResult.truncated: the warm starts' evaluations, the finals' and the live display's training window."""
+    before, cut = {p.model: p.warm_truncated for p in c.preps}, train_cut(c)
+    return {m: {"before": before.get(m), "after": c.finals[m].truncated if m in c.finals else None,
+                "train": cut.get(m)} for m in c.names}
+
+
+def train_cut(c) -> dict[str, float | None]:
+    """Each model's share of own samples cut over its last steps (none where RL never got to its live display)."""
+    return {m: c.display.cut.train_frac(m) for m in c.names} if hasattr(c, "display") else {}
 
 
 def trained_by_every_model(result: RunResult) -> str:
@@ -82,7 +101,7 @@ def trained_by_every_model(result: RunResult) -> str:
 def report(c, result: RunResult | None) -> int:
     """Summary, markers, exit code: 1 if the run failed, 128 + signal if a signal stopped it, else 0."""
     if c.preps and (c.finals or result is not None):
-        print_summary(c.cfg, c.preps, c.finals)
+        print_summary(c.cfg, c.preps, c.finals, train_cut(c))
     if result is not None:
         a = result.audit
         c.say(f"[run] {trained_by_every_model(result)}; "

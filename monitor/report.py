@@ -13,6 +13,8 @@ from pathlib import Path
 
 from monitor.rundata import ReportError, RunData, read_run
 
+TRAIN_WINDOW_STEPS = 10  # the training cut spans the last steps, as the launcher's table (engine.runtime.truncation)
+
 EXPLAIN = {
     "accuracy.png": "Held-out accuracy: the share of problems never trained on that the model solves, "
                     "before RL (the warm start), during it (a smaller live set, so noisier) and after it.",
@@ -55,9 +57,13 @@ def _markdown(runs: list[RunData], figures: list[str]) -> str:
     lines = [f"# Run report: {names}", "",
              "Each model was trained with reinforcement learning while it shared experience with its peers "
              "(objective in brackets: `grpo` trains alone, `prp`/`xgrpo`/`sgt` use the peers' samples). "
-             "Accuracies are on held-out problems, with one standard error (SE).", "",
-             "| run | model | before RL | after RL | gain | steps | own samples | peer samples used | wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Accuracies are on held-out problems, with one standard error (SE). *Cut*: the share of completions "
+             "that hit `max_new_tokens` without EOS, in the held-out evaluations before → after RL and among the "
+             f"model's own training samples of its last {TRAIN_WINDOW_STEPS} steps; past a fifth, the length cap "
+             "rather than the model decides the accuracy (raise `train.max_new_tokens`).", "",
+             "| run | model | before RL | after RL | gain | cut (eval) | cut (train) | steps | own samples "
+             "| peer samples used | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for model in run.models:
             lines.append(_row(run, model))
@@ -82,14 +88,25 @@ def _row(run: RunData, model: str) -> str:
     else:
         after, gain = "- (no final evaluation)", "-"
     wall = last.get("wall_s") or (round(steps[-1]["time"] - run.t0, 1) if steps else "-")
-    return (f"| {run.name} | {model} | {before} | {after} | {gain} | {last.get('step', '-')} | "
-            f"{last.get('own_experiences', '-')} | {last.get('peer_used', '-')} | {wall} |")
+    cut = f"{_share(run.warm_starts.get(model, {}).get('truncated'))} → {_share((final or {}).get('truncated'))}"
+    return (f"| {run.name} | {model} | {before} | {after} | {gain} | {cut} | {_share(_train_cut(steps))} | "
+            f"{last.get('step', '-')} | {last.get('own_experiences', '-')} | {last.get('peer_used', '-')} | {wall} |")
 
 
 def _pct(value, stderr) -> str:
     if value is None:
         return "-"
     return f"{100 * value:.1f}% ± {100 * (stderr or 0):.1f}"
+
+
+def _share(frac) -> str:
+    return "-" if frac is None else "<1%" if 0 < frac < 0.005 else f"{100 * frac:.0f}%"
+
+
+def _train_cut(steps: list[dict]) -> float | None:
+    """Mean truncated_frac of the last steps (as the launcher's table; None for a run from before it was kept)."""
+    fracs = [r["truncated_frac"] for r in steps[-TRAIN_WINDOW_STEPS:] if r.get("truncated_frac") is not None]
+    return sum(fracs) / len(fracs) if fracs else None
 
 
 def _run_notes(run: RunData) -> list[str]:

@@ -25,6 +25,7 @@ class RunData:
     models: list[str]
     steps: dict[str, list[dict]] = field(default_factory=dict)  # model -> step records, in order
     starts: dict[str, dict] = field(default_factory=dict)  # model -> its first "start" record
+    warm_starts: dict[str, dict] = field(default_factory=dict)  # model -> its first "warm_start" record (the engine's)
     finals: dict[str, dict] = field(default_factory=dict)  # model -> its last "final" record
     allocations: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # resume, worker_lost, peer_gone, ...: one line each
@@ -33,7 +34,7 @@ class RunData:
     skipped_lines: int = 0  # torn or foreign lines in metrics.jsonl (a run killed mid-write)
 
 
-NOTABLE = ("resumed", "resume", "worker_lost", "model_left", "peer_gone", "peer_back", "verify_timeout")
+NOTABLE = ("resumed", "resume", "worker_lost", "model_left", "peer_gone", "peer_back", "verify_timeout", "truncation")
 
 
 def before_rl(path: Path) -> str | None:
@@ -91,6 +92,8 @@ def _take(run: RunData, rec: dict) -> None:
             run.models.append(model)
     elif event == "start" and model and model not in run.starts:
         run.starts[model] = rec
+    elif event == "warm_start" and model and model not in run.warm_starts:
+        run.warm_starts[model] = rec
     elif event == "final" and model:
         run.finals[model] = rec
     elif event == "allocation":

@@ -42,14 +42,15 @@ def tag(key: str) -> str:
 
 def row(rec: dict) -> dict | None:
     """The W&B row of a metrics.jsonl record, as the learner gives TensorBoard: a model's warm-start accuracy
-    (``start``), its step records, its final held-out accuracy (``final``); None for any other record."""
+    (``start``), its step records, its final held-out accuracy and cut share (``final``); None for any other record."""
     model, event, step = rec.get("model"), rec.get("event"), rec.get("step")
     if not isinstance(model, str) or not isinstance(step, int) or event not in ("start", "step", "final"):
         return None
     if event == "start":
         rec = {k: rec.get(k) for k in ("warm_accuracy", "warm_accuracy_stderr")}
     elif event == "final":
-        rec = {"final_accuracy": rec.get("accuracy"), "final_accuracy_stderr": rec.get("accuracy_stderr")}
+        rec = {"final_accuracy": rec.get("accuracy"), "final_accuracy_stderr": rec.get("accuracy_stderr"),
+               "final_truncated": rec.get("truncated")}
     values = {f"{model}/{tag(k)}": v for k, v in rec.items() if k not in ("time", "step") and not isinstance(v, bool)
               and isinstance(v, int | float) and math.isfinite(v)}
     return {f"{model}/step": step, **values} if values else None

@@ -24,13 +24,14 @@ def ingest(tmp_path_factory):
     return Ingest(spec, own_tok, {"llama": peer_tok}, task, G), own_tok, peer_tok
 
 
-def _exp(model: str, tok, prompt: int, k: int, maker: str = "g", reward: float = 1.0) -> Experience:
+def _exp(model: str, tok, prompt: int, k: int, maker: str = "g", reward: float = 1.0,
+         finish: str = "stop") -> Experience:
     ids = tok.encode("12", add_special_tokens=False)
     return Experience(schema=SCHEMA_VERSION, run_id="t", experience_id=f"{model}/{prompt}/{k}/{maker}", model=model,
                       task="arithmetic", prompt_id=prompt, sample_index=k, group_size=G, weight_version=0,
                       prompt_ids=pack_ids([1, 2]), completion_ids=pack_ids(ids),
                       behaviour_logprobs=pack_floats([-1.0] * len(ids)), completion_text="12", reward=reward,
-                      verified=True, finish_reason="stop", created_at=0.0, generated_at=0.0)
+                      verified=True, finish_reason=finish, created_at=0.0, generated_at=0.0)
 
 
 def test_an_incomplete_peer_group_is_a_miss_and_a_straggler_is_late(ingest):
@@ -49,6 +50,19 @@ def test_an_incomplete_peer_group_is_a_miss_and_a_straggler_is_late(ingest):
     assert misses == 1
     inbox.add(_exp("llama", peer_tok, 1, 1))  # the straggler is counted late, never trained on
     assert inbox.late == 1
+
+
+def test_own_samples_cut_at_max_new_tokens_are_counted_per_step(ingest):
+    """The learner's truncated_frac: own samples that finished on "length", of the prompts a step takes (a peer's
+    are the peer's own figure), counted again from zero for the next step."""
+    inbox, own_tok, peer_tok = ingest
+    for k in range(G):
+        inbox.add(_exp("gpt2", own_tok, 40, k, finish="length"))
+        inbox.add(_exp("gpt2", own_tok, 41, k, finish="length" if k == 0 else "stop"))
+        inbox.add(_exp("llama", peer_tok, 40, k, finish="length"))
+    assert inbox.cut_in([40, 41]) == G + 1 and inbox.cut_in([41]) == 1
+    inbox.take([40, 41], ["llama"])
+    assert inbox.cut_in([40, 41]) == 0
 
 
 def test_complete_peers_do_not_wait(ingest):

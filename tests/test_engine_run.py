@@ -91,6 +91,30 @@ def test_peer_experience_flows_through_the_thl(smoke_run):
         assert versions == list(range(1, 13))
 
 
+def test_completions_cut_at_max_new_tokens_are_counted_shown_and_warned_about(smoke_run):
+    """Each step record says the share of its own samples cut at train.max_new_tokens, the warm start's and the
+    final evaluation say theirs; run_result.json and the final table carry them, and a share past a fifth (over
+    the last 10 steps, or in an evaluation) is one warning line and one truncation record per model and kind."""
+    run, code = smoke_run
+    assert code == 0
+    result, warned = run.result()["truncated"], {(r["model"], r["kind"]) for r in run.events("truncation")}
+    for model in ("gpt2", "llama"):
+        fracs = [s["truncated_frac"] for s in run.steps(model)]
+        assert len(fracs) == 12 and all(0.0 <= f <= 1.0 for f in fracs)
+        (warm,) = run.events("warm_start", model)
+        final = run.events("final", model)[-1]
+        assert 0.0 <= warm["truncated"] <= 1.0 and 0.0 <= final["truncated"] <= 1.0  # this session's eval cache
+        assert result[model] == {"before": warm["truncated"], "after": final["truncated"],
+                                 "train": pytest.approx(sum(fracs[-10:]) / 10)}
+        windows = [sum(fracs[i - 10:i]) / 10 for i in range(10, 13)]
+        assert ((model, "train") in warned) == (max(windows) > 0.2)
+        assert ((model, "eval") in warned) == (max(warm["truncated"], final["truncated"]) > 0.2)
+        assert (f"warning: {model}: " in run.out) == any(m == model for m, _ in warned)
+    assert "cut (eval)" in run.out and "cut (train)" in run.out
+    assert "cut: no EOS by max_new_tokens (eval before → after RL: train.max_new_tokens=6; train, last 10 steps: " \
+           "train.max_new_tokens=6)" in run.out
+
+
 def test_experience_log_holds_every_experience_exactly_once(smoke_run):
     run, code = smoke_run
     assert code == 0

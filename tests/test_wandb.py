@@ -85,7 +85,7 @@ def expected_rows(run_dir: Path) -> list[dict]:
                    "warm_accuracy_stderr": rec.get("warm_accuracy_stderr")}
         elif rec.get("event") == "final":
             rec = {"step": rec["step"], "final_accuracy": rec["accuracy"],
-                   "final_accuracy_stderr": rec.get("accuracy_stderr")}
+                   "final_accuracy_stderr": rec.get("accuracy_stderr"), "final_truncated": rec.get("truncated")}
         elif rec.get("event") != "step":
             continue
         values = {f"{model}/{scalar_tag(k)}": v for k, v in rec.items() if k not in ("time", "step")
@@ -108,7 +108,7 @@ def test_every_step_and_final_reaches_wandb_as_tensorboard_gets_it(tmp_path):
     """metrics.jsonl as a run writes it (write_run's records, then steps of both models interleaved)."""
     run_dir = write_run(tmp_path / "run", prompts=0)
     add_steps(run_dir, 4, 6)
-    MetricsWriter(run_dir, "gpt2").write(event="final", step=6, accuracy=0.75, accuracy_stderr=0.02)
+    MetricsWriter(run_dir, "gpt2").write(event="final", step=6, accuracy=0.75, accuracy_stderr=0.02, truncated=0.25)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"model": "gpt2", "event": "step", "st')  # a line being written: left for a later read
     where = wandb_sink.export(run_dir, "offline", lambda: True)
@@ -118,7 +118,7 @@ def test_every_step_and_final_reaches_wandb_as_tensorboard_gets_it(tmp_path):
     assert rows == expected_rows(run_dir)
     assert len(rows) == 2 * (1 + 6 + 1) + 1  # each model's start, 6 steps and final (write_run's), the final above
     assert {"gpt2/eval/warm_accuracy", "gpt2/eval/accuracy", "llama/obj/sgt_nll", "gpt2/eval/final_accuracy",
-            "llama/eval/final_accuracy"} <= set().union(*rows)
+            "llama/eval/final_accuracy", "gpt2/final_truncated"} <= set().union(*rows)
     assert not any(k.endswith(("/solo", "/time", "/peers_gone")) for row in rows for k in row)  # flags, lists: not
     assert rows[-2]["llama/step"] == 6 and "llama/thl_residual_mean" not in rows[-2]  # nor a null: "not measured"
     axes = {r.metric.glob_name: r.metric.step_metric for r in records

@@ -134,7 +134,34 @@ def test_evaluate_counts_verified_greedy_answers() -> None:
             return super().verify(problem, problem.answer if problem.prompt_id % 4 == 0 else "x")
 
     half = evaluate(backend, tokenizer, "gpt2", AnswerEverything(ArithmeticConfig()), 40, max_new_tokens=2)
-    assert half == EvalResult(accuracy=0.25, stderr=math.sqrt(0.25 * 0.75 / 40), n=40)
+    assert half == EvalResult(accuracy=0.25, stderr=math.sqrt(0.25 * 0.75 / 40), n=40, truncated=1.0)  # gibberish
+
+
+def _stops_at_once(model, eos: int):
+    """The tiny GPT-2 made to answer EOS first, whatever the prompt: its last layer norm outputs one constant
+    direction, which only EOS's output embedding reads (a model that finishes well inside any length)."""
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        out = model.get_output_embeddings().weight
+        out[:, 0] = 0.0
+        out[eos, 0] = 1.0
+    return model
+
+
+def test_evaluate_counts_completions_cut_at_max_new_tokens() -> None:
+    """A completion that hits max_new_tokens without EOS is counted, whatever its verdict; one that ends with EOS,
+    even on the last token allowed, is not."""
+    spec, tokenizer, task = tiny_spec("gpt2"), real_tokenizer("gpt2"), ArithmeticTask(ArithmeticConfig())
+    babbler = HFBackend(build_policy(spec, tokenizer), tokenizer.eos_token_id, pad_id(tokenizer))
+    cut = evaluate(babbler, tokenizer, "gpt2", task, num_problems=20, batch_size=8, max_new_tokens=1)
+    assert cut.truncated == 1.0 and cut.n == 20  # every completion cut after its one token
+    stopper = _stops_at_once(build_policy(spec, tokenizer), tokenizer.eos_token_id)
+    backend = HFBackend(stopper, tokenizer.eos_token_id, pad_id(tokenizer))
+    for max_new_tokens in (16, 1):
+        done = evaluate(backend, tokenizer, "gpt2", task, num_problems=20, batch_size=8, max_new_tokens=max_new_tokens)
+        assert done.truncated == 0.0, max_new_tokens
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ class TrainSection(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)  # AdamW's (beta1, beta2)
     grad_clip: PosFloat = 1.0  # gradients are clipped to this global norm before each step
     warmup_steps: Annotated[int, Meta(ge=0)] = 0  # linear lr warm-up
-    max_new_tokens: PosInt = 12  # longest completion a generator samples (and an evaluation decodes)
+    max_new_tokens: PosInt = 12  # longest completion a generator samples (and evaluations: eval.max_new_tokens)
     temperature: PosFloat = 1.0  # sampling temperature of the generators
     max_inflight_steps: PosInt = 2  # steps of work a model's generators may run ahead of its learner
     max_model_lead_steps: PosInt = 4  # ... and ahead of the slowest live peer's learner
@@ -93,6 +93,9 @@ class EvalSection(_Section):
     live_problems: PosInt = 200  # problems for the live eval
     temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 = greedy
     batch_size: PosInt = 250  # problems generated together in an evaluation
+    # longest completion an evaluation decodes (before, live, final); 0 = train.max_new_tokens, so the held-out
+    # figures judge what RL trains (a completion cut here is counted: the `truncated` fraction)
+    max_new_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class CostPhase(_Section):
@@ -194,6 +197,11 @@ class RunConfig(_Section):
 
     def model(self, name: str) -> ModelConfig:
         return self.models[self.names.index(name)]
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """The length every held-out evaluation decodes: eval.max_new_tokens, or the training length where it is 0."""
+        return self.eval.max_new_tokens or self.train.max_new_tokens
 
 
 def model_spec(m: ModelConfig, checkpoint: str | None = None) -> ModelSpec:

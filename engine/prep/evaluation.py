@@ -23,6 +23,9 @@ class EvalResult(msgspec.Struct, frozen=True):
     accuracy: float  # fraction verified correct
     stderr: float  # binomial standard error, sqrt(p (1 - p) / n)
     n: int
+    # fraction of completions that hit max_new_tokens without EOS: the verifier judged a cut answer (its last
+    # number may be half an equation), so a high one says the length, not the model, decided the accuracy
+    truncated: float = 0.0
 
 
 def evaluate(
@@ -41,11 +44,11 @@ def evaluate(
     """Accuracy on problems 0..num_problems-1 of the held-out set (greedy by default,
     so reproducible). split="train" measures training problems instead (for early
     stopping without peeking at the held-out set). ``progress(done, total, correct)`` is called after
-    each batch."""
+    each batch. Completions that end without EOS are counted (``truncated``), whatever their verdict."""
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
     draw = task.eval_problem if split == "eval" else task.problem
-    correct = 0
+    correct = cut = 0
     for start in range(0, num_problems, batch_size):
         problems = [draw(i) for i in range(start, min(start + batch_size, num_problems))]
         prompts = [prompt_ids(tokenizer, arch, p.question) for p in problems]
@@ -53,10 +56,12 @@ def evaluate(
         for problem, (sample,) in zip(problems, samples):
             text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
             correct += task.verify(problem, text).verified
+            cut += sample.finish_reason == "length"
         if progress is not None:
             progress(start + len(problems), num_problems, correct)
     accuracy = correct / num_problems
-    return EvalResult(accuracy=accuracy, stderr=math.sqrt(accuracy * (1 - accuracy) / num_problems), n=num_problems)
+    return EvalResult(accuracy=accuracy, stderr=math.sqrt(accuracy * (1 - accuracy) / num_problems), n=num_problems,
+                      truncated=cut / num_problems)
 
 
 class EvalProgress:

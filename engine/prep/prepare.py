@@ -43,6 +43,9 @@ class PrepResult(msgspec.Struct, frozen=True):
     eval_n: int
     vocab_size: int  # the tokenizer's: the coordinator's audit checks token ids against it without loading it
     warm_start_end: str = ""  # how the warm start ended (engine.prep.warmstart.why_it_stopped), or "loaded from cache"
+    # share of its held-out completions cut at the eval length (EvalResult.truncated); None: read from an eval
+    # cache written before the cut was counted
+    warm_truncated: float | None = None
 
 
 async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]) -> list[PrepResult]:
@@ -90,9 +93,10 @@ def prepare_model(payload: bytes) -> int:
     model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
                                       device=prep_device(cfg, plan.model_index))
     checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
-    acc, stderr, n = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
-    result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=acc, warm_accuracy_stderr=stderr,
-                        eval_n=n, vocab_size=len(tokenizer), warm_start_end=ended)
+    ev = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
+    result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=ev["accuracy"],
+                        warm_accuracy_stderr=ev["stderr"], eval_n=ev["n"], vocab_size=len(tokenizer),
+                        warm_start_end=ended, warm_truncated=ev.get("truncated"))
     _atomic_write(Path(plan.result_path), msgspec.json.encode(result))
     return 0
 
@@ -108,22 +112,25 @@ def prep_device(cfg: RunConfig, model_index: int):
     return torch.device("cuda", model_index % torch.cuda.device_count())
 
 
-def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path,
-                 name: str) -> tuple[float, float, int]:
+def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path, name: str) -> dict:
+    """The warm start's held-out evaluation: accuracy, stderr, n and truncated (absent from a file written before
+    the cut was counted: still read, the cut then unknown)."""
     from engine.prep.evaluation import held_out_accuracy
 
     ev = cfg.eval
+    # "max_new" is the length the evaluation decodes: with eval.max_new_tokens = 0 it is the training length,
+    # as before that key existed, so the caches written then still answer
     key = hashlib.sha256(msgspec.json.encode(
-        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.train.max_new_tokens}
+        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.eval_max_new_tokens}
     )).hexdigest()[:16]
     path = checkpoint / f"eval-{key}.json"
     if path.exists():
-        data = json.loads(path.read_text())
-        return data["accuracy"], data["stderr"], data["n"]
-    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.train.max_new_tokens,
+        return json.loads(path.read_text())
+    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.eval_max_new_tokens,
                                label=f"{name} after the warm start (held-out)")
-    _atomic_write(path, json.dumps({"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n}).encode())
-    return result.accuracy, result.stderr, result.n
+    data = {"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n, "truncated": result.truncated}
+    _atomic_write(path, json.dumps(data).encode())
+    return data
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -137,4 +144,5 @@ def record_warm_starts(metrics, preps: list[PrepResult]) -> None:
     met, its step cap, or the cache) and the accuracy RL starts from."""
     for p in preps:
         metrics.write(event="warm_start", model=p.model, ended=p.warm_start_end, checkpoint=p.checkpoint,
-                      accuracy=p.warm_accuracy, accuracy_stderr=p.warm_accuracy_stderr, eval_n=p.eval_n)
+                      accuracy=p.warm_accuracy, accuracy_stderr=p.warm_accuracy_stderr, eval_n=p.eval_n,
+                      truncated=p.warm_truncated)

@@ -203,10 +203,11 @@ async def _prepare(core: LearnerCore, idle: float) -> Pending:
         await core.worker.inbox.wait(left)
         alive = core.alive_peers()
     peer_wait = time.time() - started
+    cut = ingest.cut_in(prompts)
     own, peers, misses = ingest.take(prompts, alive if waits else [])
     read = ingest.reference_samples(prompts) if core.need == "reference" else peers
     raw = dp.encode_step(prompts, own, peers_for(core.need, own, read), {}, misses, bool(core.peers) and not alive)
-    return Pending(prompts, raw, own, peers, misses, bool(core.peers) and not alive, idle + peer_wait, peer_wait)
+    return Pending(prompts, raw, own, peers, misses, bool(core.peers) and not alive, idle + peer_wait, peer_wait, cut)
 
 
 async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
@@ -238,6 +239,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     record = dict(
         step=version, weight_version=version, reward_mean=sum(rewards) / n,
         solve_rate=sum(s.verified for s in p.own) / n,
+        truncated_frac=p.cut / n,  # own samples cut at train.max_new_tokens: RL learns what fits the cap
         staleness_mean=sum(version - 1 - s.weight_version for s in p.own) / n,
         thl_residual_mean=sum(s.residual for s in p.peers) / len(p.peers) if p.peers else None,
         thl_residual_by_peer=_mean_by_peer(p.peers),
@@ -251,10 +253,10 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     ev = core.cfg.eval
     if ev.every_steps and version % ev.every_steps == 0 and version < core.cfg.train.steps:
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
-                                      ev.live_problems, ev, core.cfg.train.max_new_tokens,
+                                      ev.live_problems, ev, core.cfg.eval_max_new_tokens,
                                       f"{core.model_name} live at step {version} (eval.live_problems)",
                                       result_line=False)  # its result shows in the live display's acc@N
-        record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr)
+        record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_truncated=res.truncated)
     if _checkpoint_due(core):
         started = time.time()
         await _gather_moments(core)
@@ -265,7 +267,8 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     core.metrics.write(event="step", prompts=p.prompts, **record)
     core.log_scalars(version, record)
     report = StepReport(record["reward_mean"], record["staleness_mean"], record["step_s"], t["own_experiences"],
-                        t["peer_experiences"], record.get("accuracy"), t["peer_used"])
+                        t["peer_experiences"], record.get("accuracy"), t["peer_used"], record["truncated_frac"],
+                        record.get("eval_truncated"))
     await w.plane.send(StepDone(core.model_name, version, group.epoch, len(group.members), p.prompts, p.misses,
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,
@@ -332,16 +335,18 @@ async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     cfg, w = core.cfg, core.worker
     ckpt = str(await asyncio.to_thread(_checkpoint, core))
     res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
-                                  cfg.eval.num_problems, cfg.eval, cfg.train.max_new_tokens,
+                                  cfg.eval.num_problems, cfg.eval, cfg.eval_max_new_tokens,
                                   f"{core.model_name} final (held-out)")
     queued = list(core.ingest.complete)
     t = core.totals
-    core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr})
+    core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr,
+                                          "final_truncated": res.truncated})
     core.metrics.write(event="final", step=core.state.version, weight_version=core.state.version,
-                       accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_n=res.n,
+                       accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_n=res.n, truncated=res.truncated,
                        wall_s=round(time.time() - core.started, 2), checkpoint=ckpt,
                        warm_checkpoint=w.plan.warm_checkpoints[core.model_name], stopped_early=stopped_early,
                        queued_groups=len(queued), rejected=core.ingest.rejected_total,
                        rejected_by=dict(core.ingest.rejected), **core.warm, **t)
     await w.plane.send(LearnerFinal(core.model_name, core.state.version, queued, ckpt, res.accuracy, res.stderr,
-                                    res.n, t["own_experiences"], t["peer_experiences"], t["peer_used"], stopped_early))
+                                    res.n, t["own_experiences"], t["peer_experiences"], t["peer_used"], stopped_early,
+                                    res.truncated))

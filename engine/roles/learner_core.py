@@ -47,6 +47,7 @@ class Pending:
     solo: bool
     idle_s: float
     peer_wait_s: float
+    cut: int = 0  # own samples that hit train.max_new_tokens (finish_reason "length")
 
 
 class LearnerCore:

@@ -1,7 +1,9 @@
 """What a person sees: one live line per model while the run goes, a summary table at the end.
 
 On a terminal the lines redraw in place (rich); otherwise (CI, a log file) the same
-lines are printed every ``plain_every_s`` seconds.
+lines are printed every ``plain_every_s`` seconds. The display sees every step report, so it
+keeps the watch on completions cut at max_new_tokens (``engine.runtime.truncation``): its
+``cut`` figure, and the warning when more than a fifth are cut.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from engine.runtime.truncation import TRAIN_WINDOW_STEPS, CutWatch, eval_length_key
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -24,8 +28,10 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 class LiveDisplay:
-    def __init__(self, cfg, preps, enabled: bool = True, plain_every_s: float = 10.0):
+    def __init__(self, cfg, preps, enabled: bool = True, plain_every_s: float = 10.0, say=None, metrics=None):
+        """``say(text, err)`` and ``metrics`` (a MetricsWriter): where the cut warnings go (default: stderr only)."""
         self.cfg, self.names = cfg, cfg.names
+        self.cut = CutWatch(cfg, metrics, say, preps)  # the warm starts' evaluations are judged here, once
         self.step = {n: 0 for n in self.names}
         self.report: dict[str, object] = {}
         self.acc: dict[str, float | None] = {p.model: p.warm_accuracy for p in preps}
@@ -39,6 +45,7 @@ class LiveDisplay:
 
     def update(self, model: str, step: int, report) -> None:
         self.step[model], self.report[model] = step, report
+        self.cut.stepped(model, step, report)
         if report.accuracy is not None:
             self.acc[model], self.acc_n[model] = report.accuracy, self.cfg.eval.live_problems
 
@@ -46,6 +53,7 @@ class LiveDisplay:
         r, step, steps = self.report.get(name), self.step[name], self.cfg.train.steps
         rate = (r.own_total if r else 0) / max(time.time() - self.started, 1e-9)
         return (f"{name:>14} {_bar(step, steps)} step {step:>4}/{steps}  reward {_fmt(r and r.reward_mean)}"
+                f"  cut {_share(self.cut.train_frac(name)):>4}"
                 f"  acc@{self.acc_n.get(name, 0)} {_fmt(self.acc.get(name))}  {rate:6.1f} samples/s  staleness "
                 f"{_fmt(r and r.staleness_mean, '.2f')}  peer recv {r.peer_total if r else 0} "
                 f"used {r.peer_used if r else 0}")
@@ -53,10 +61,12 @@ class LiveDisplay:
     @staticmethod
     def legend(cfg) -> str:
         """What the live figures are, printed once above them."""
-        return (f"acc@N: held-out accuracy on N problems (the warm start's on eval.num_problems={cfg.eval.num_problems}, "
-                f"then live on eval.live_problems={cfg.eval.live_problems}; the final table uses "
-                f"{cfg.eval.num_problems}); peer recv: peer samples received, used: read by the objective "
-                f"({cfg.objective.kind}; the table's 'peer exp. used')")
+        return (f"cut: share of its own samples of the last {TRAIN_WINDOW_STEPS} steps that hit "
+                f"train.max_new_tokens={cfg.train.max_new_tokens} without EOS; acc@N: held-out accuracy on N "
+                f"problems (the warm start's on eval.num_problems={cfg.eval.num_problems}, then live on "
+                f"eval.live_problems={cfg.eval.live_problems}; the final table uses {cfg.eval.num_problems}); "
+                f"peer recv: peer samples received, used: read by the objective ({cfg.objective.kind}; the table's "
+                "'peer exp. used')")
 
     def _render(self) -> Table:
         table = Table.grid()
@@ -80,11 +90,12 @@ class LiveDisplay:
             self.live.stop()
 
 
-def print_summary(cfg, preps, finals: dict) -> None:
-    """Held-out accuracy before and after RL per model; ``finals`` maps a model to its LearnerFinal."""
-    table = Table(title=f"mutual RL summary (objective: {cfg.objective.kind})")
-    for col in ("model", "warm-start acc", "after RL acc", "change (SE)", "steps", "samples trained",
-                "peer exp. used"):
+def print_summary(cfg, preps, finals: dict, train_cut: dict | None = None) -> None:
+    """Held-out accuracy before and after RL per model; ``finals`` maps a model to its LearnerFinal, ``train_cut``
+    to the share of its training samples cut over its last steps (``engine.runtime.truncation``)."""
+    table = Table(title=f"mutual RL summary (objective: {cfg.objective.kind})", caption=_cut_caption(cfg))
+    for col in ("model", "warm-start acc", "after RL acc", "change (SE)", "cut (eval)", "cut (train)", "steps",
+                "samples trained", "peer exp. used"):
         table.add_column(col, justify="right")
     for prep in preps:
         f = finals.get(prep.model)
@@ -97,5 +108,17 @@ def print_summary(cfg, preps, finals: dict) -> None:
         table.add_row(
             prep.model, f"{prep.warm_accuracy * 100:.1f}% ± {prep.warm_accuracy_stderr * 100:.1f}",
             "-" if acc is None else f"{acc * 100:.1f}% ± {(se or 0) * 100:.1f}", change,
+            f"{_share(prep.warm_truncated)} → {_share(f and f.truncated)}", _share((train_cut or {}).get(prep.model)),
             str(f.step) if f else "-", str(f.own_total) if f else "-", str(f.peer_used) if f else "-")
-    Console(width=max(Console().width, 110)).print(table)
+    Console(width=max(Console().width, 132)).print(table)
+
+
+def _share(frac: float | None) -> str:
+    """A cut share in whole percent, never "0%" for a few cut: "<1%"."""
+    return "-" if frac is None else "<1%" if 0 < frac < 0.005 else f"{frac:.0%}"
+
+
+def _cut_caption(cfg) -> str:
+    return (f"cut: no EOS by max_new_tokens (eval before → after RL: {eval_length_key(cfg)}="
+            f"{cfg.eval_max_new_tokens}; train, last {TRAIN_WINDOW_STEPS} steps: "
+            f"train.max_new_tokens={cfg.train.max_new_tokens})")

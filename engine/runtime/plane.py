@@ -61,6 +61,8 @@ class StepReport(msgspec.Struct, array_like=True):
     peer_total: int  # peer samples received so far
     accuracy: float | None = None  # live held-out accuracy (eval.live_problems), when evaluated at this step
     peer_used: int = 0  # peer samples the objective has read so far (of peer_total received)
+    truncated_frac: float = 0.0  # share of this step's own samples that hit train.max_new_tokens
+    eval_truncated: float | None = None  # share of the live evaluation's completions cut, when evaluated
 
 
 # worker -> coordinator
@@ -141,6 +143,7 @@ class LearnerFinal(_Msg, tag="final"):
     peer_total: int
     peer_used: int
     stopped_early: bool
+    truncated: float | None = None  # share of the final evaluation's completions cut at its max_new_tokens
 
 
 # coordinator -> worker

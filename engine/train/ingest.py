@@ -28,6 +28,7 @@ class Ingest:
         self.vocab = {name: len(tok) for name, tok in peer_tokenizers.items()} | {spec.name: len(tokenizer)}
         self.rejected: collections.Counter[str] = collections.Counter()  # "<model>: <why>" -> count
         self.own: dict[int, list[OwnSample]] = {}
+        self.cut: collections.Counter[int] = collections.Counter()  # prompt -> own samples that hit max_new_tokens
         self.complete: collections.deque[int] = collections.deque()
         self.consumed: set[int] = set()
         self.peers: dict[int, list[PeerSample]] = {}
@@ -81,6 +82,7 @@ class Ingest:
             behaviour_logprobs=exp.logprob_array, reward=exp.reward, verified=exp.verified,
             weight_version=exp.weight_version, prompt_id=exp.prompt_id,
         ))
+        self.cut[exp.prompt_id] += exp.finish_reason == "length"
         if len(group) == exp.group_size:
             self.complete.append(exp.prompt_id)
 
@@ -123,6 +125,10 @@ class Ingest:
         """The prompt ids of the n oldest complete own groups (not yet removed)."""
         return list(self.complete)[:n]
 
+    def cut_in(self, prompts: list[int]) -> int:
+        """How many own samples of these prompts hit max_new_tokens (before ``take`` removes them)."""
+        return sum(self.cut[p] for p in prompts)
+
     def take(self, prompts: list[int], peer_models: list[str]) -> tuple[list[OwnSample], list[PeerSample], int]:
         """Remove a step's own and peer samples; from now on late peer samples for them are dropped.
 
@@ -135,6 +141,7 @@ class Ingest:
         own = [s for p in prompts for s in self.own.pop(p)]
         peers = [s for p in prompts for s in self.peers.pop(p, [])]
         for p in prompts:
+            self.cut.pop(p, None)
             for m in self.bridges:
                 self.peer_counts.pop((m, p), None)
         return own, peers, misses
