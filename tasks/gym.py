@@ -4,8 +4,10 @@
 dataset's own options in ``options = {...}``. Entry k of the dataset (reasoning-gym draws it from
 ``seed + k``) is held out when its question hashes below ``eval_fraction`` (``tasks.base.is_held_out``), so
 no held-out question is ever trained on, whatever the seed. The answer is read from the completion by the
-config's rule (``tasks.answers``) and judged by the dataset's ``score_answer``: the reward is its score, a
-success a score of 1.
+config's rule (``tasks.answers``) and judged by the dataset's ``score_answer``: a success is a score of 1, and the
+reward is 1 for a success and 0 otherwise, the measure evaluation reports. ``partial_credit = true`` pays the
+scorer's own fractions instead (chain_sum pays 0.5 for "15" when the answer is 5: SmolLM2 under GRPO drifted to
+such answers, its mean reward held while its exact answers fell).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class GymConfig(msgspec.Struct, tag="rg", tag_field="kind", forbid_unknown_field
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # questions held out
     seed: int = 0  # the dataset's seed
     size: Annotated[int, msgspec.Meta(ge=10)] = 1_000_000  # entries drawn from (training ids wrap around)
+    partial_credit: bool = False  # reward = the scorer's score (its partial credit) instead of 1 for a success, else 0
 
     def __post_init__(self) -> None:
         check_solution(self.solution, self.answer)
@@ -101,7 +104,8 @@ class GymTask:
         if entry is None:
             raise ValueError(f"{self.name}: {problem.question!r} is not a problem of this task")
         score = float(self._data.score_answer(read_answer(self.config.answer, completion_text), entry))
-        return Verdict(reward=score, verified=score >= 1.0)
+        verified = score >= 1.0
+        return Verdict(reward=score if self.config.partial_credit else float(verified), verified=verified)
 
     def worked_solution(self, problem: Problem) -> str:
         return self.config.solution.format(answer=problem.answer)

@@ -95,6 +95,18 @@ def test_a_worked_solution_in_words_is_what_the_task_itself_judges_right():
             ArithmeticConfig(answer=rule, solution=template)
 
 
+def test_a_reasoning_gym_reward_is_the_exact_answer_unless_partial_credit_is_asked_for():
+    """chain_sum's scorer pays 0.5 for "-15" when the answer is -5: GRPO on SmolLM2 drifted to such answers."""
+    exact, partial = (GymTask(GymConfig(dataset="chain_sum", options={"min_digits": 1, "max_digits": 1},
+                                        partial_credit=credit)) for credit in (False, True))
+    p = next(q for q in map(exact.problem, range(100)) if len(q.answer.lstrip("-")) == 1)
+    near = f"The answer is {p.answer}5."  # the answer inside a longer number
+    assert exact.verify(p, near) == Verdict(reward=0.0, verified=False)
+    assert 0.0 < partial.verify(p, near).reward < 1.0 and not partial.verify(p, near).verified
+    for task in (exact, partial):
+        assert task.verify(p, f"The answer is {p.answer}.") == Verdict(reward=1.0, verified=True)
+
+
 @pytest.mark.parametrize("config, message", [
     (GymConfig(dataset="no_such_dataset"), r"reasoning-gym has no dataset 'no_such_dataset'"),
     (GymConfig(dataset="basic_arithmetic", options={"no_such_option": 1}), r"refused options"),
