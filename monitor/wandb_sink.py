@@ -65,8 +65,10 @@ def export(run_dir: Path, mode: str, ended: Callable[[], bool], poll_s: float = 
 
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False,
                                   disable_git=True, x_disable_machine_info=True)  # metrics only, no banner
+        config = _config(run_dir)
         run = wandb.init(dir=str(run_dir), mode=mode, project=os.environ.get("WANDB_PROJECT", "mutual-rl"),
-                         name=run_dir.resolve().name, config=_config(run_dir), settings=settings)
+                         name=run_dir.resolve().name, group=config.get("run", {}).get("name"), config=config,
+                         settings=settings)  # run.name groups the runs of one config (seeds, resumes)
         counter, offset, models = SimpleNamespace(skipped_lines=0), 0, set()
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C on `monitor --wandb`: finish what was logged
             while True:

@@ -127,6 +127,7 @@ def test_every_step_and_final_reaches_wandb_as_tensorboard_gets_it(tmp_path):
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert run.display_name == "run" and [m["name"] for m in config["models"]] == ["gpt2", "llama"]
+    assert run.run_group == config["run"]["name"]  # run.name groups a config's runs
     assert any(r.WhichOneof("record_type") == "exit" for r in records)  # finished: ready for `wandb sync`
 
 

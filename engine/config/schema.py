@@ -52,7 +52,7 @@ class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
 
 
 class RunSection(_Section):
-    name: str = "mutual-rl"  # a label, kept in the run directory's config.toml
+    name: str = "mutual-rl"  # a label, kept in the run directory's config.toml; the W&B group of the run
     seed: int = 0  # seeds the RL phase: learners, generators' sampling, LoRA adapters (warmstart.seed: the warm start)
     mode: Literal["async", "sync"] = "async"  # sync: a unit of step k is generated with the weights of step k
     max_minutes: PosFloat = 14.0  # wall-clock cap of the RL phase; the run then stops cleanly
