@@ -68,8 +68,6 @@ def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None,
         train["steps"], run["max_minutes"] = steps, 24 * 60.0
     elif minutes is not None:
         run["max_minutes"] = minutes
-    for key in ("peer_wait_s", "peer_silent_s"):  # solo: no peer to wait for
-        tree.get("timeouts", {}).pop(key, None)
     return tree
 
 
