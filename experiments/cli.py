@@ -15,6 +15,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="results directory (default: the grid's `out`)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (runs, workers, samples) and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild the results files from finished runs")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run with uncommitted changes (the results then name no commit)")
+    p.add_argument("--allow-mixed-commits", action="store_true",
+                   help="go on with finished runs that ran on another commit")
     p.set_defaults(handler=experiment_command)
 
 
@@ -44,6 +48,9 @@ def experiment_command(args: argparse.Namespace) -> int:
         _preflight(runs)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.report_only and (problem := _commit_problem(args, runs, out)):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     failed: list[str] = []
     _stop_on_signals()
@@ -169,11 +176,21 @@ def _write_points(path: Path, points: list[dict]) -> None:
         writer.writerows(points)
 
 
+def _commit_problem(args: argparse.Namespace, runs, out: Path) -> str | None:
+    """Why the grid's next runs must not run on this code (None: they may): see ``runner.commit_problem``."""
+    from experiments.runner import code_version, commit_problem, is_done, recorded_commits
+
+    ran = recorded_commits(out)
+    finished_on = {ran[r.id] for r in runs if r.id in ran and is_done(out, r)}
+    if all(is_done(out, r) for r in runs):
+        return None  # nothing to run: the results are rebuilt from what ran
+    return commit_problem(code_version(out), finished_on, args.allow_dirty, args.allow_mixed_commits)
+
+
 def _commits(out: Path, done) -> str:
     """The commits the finished runs ran on (``commits.txt``, written by the runner; the last entry of a run wins)."""
-    from experiments.runner import code_version
+    from experiments.runner import code_version, recorded_commits
 
-    path = out / "commits.txt"
-    ran = dict(line.split() for line in path.read_text().splitlines() if len(line.split()) == 2) if path.exists() else {}
+    ran = recorded_commits(out)
     commits = sorted({ran[r.id] for r in done if r.id in ran})
     return ", ".join(f"commit {c}" for c in commits) if commits else f"commit {code_version()} (when reported)"

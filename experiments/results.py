@@ -18,9 +18,11 @@ STEP_MEANS = [
     ("sgt_rescue_set", "obj/rescue_set_size"),
     ("xgrpo_baseline_shift", "obj/baseline_shift_mean"),
     ("xgrpo_fallback_frac", "obj/baseline_fallback_frac"),
+    ("cut_train", "truncated_frac"),  # own samples cut at train.max_new_tokens
 ]
 COLUMNS = ["task", "model_set", "arm", "seed", "model", "acc_before", "se_before", "acc_after", "se_after", "gain",
-           "eval_n", "steps", "samples", "rl_s", "peer_used", "sgt_rescued_total", *[c for c, _ in STEP_MEANS]]
+           "eval_n", "steps", "samples", "rl_s", "peer_used", "sgt_rescued_total", "cut_eval_after",
+           *[c for c, _ in STEP_MEANS]]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -41,7 +43,8 @@ def read_run(run_dir: Path, run) -> list[dict]:
                    acc_after=final["accuracy"], se_after=final["accuracy_stderr"],
                    gain=final["accuracy"] - final["warm_accuracy"], eval_n=final["eval_n"], steps=final["step"],
                    samples=final["own_experiences"], rl_s=rl_s, peer_used=final["peer_used"],
-                   sgt_rescued_total=sum(r.get("obj/rescue_set_size") or 0 for r in steps))
+                   sgt_rescued_total=sum(r.get("obj/rescue_set_size") or 0 for r in steps),
+                   cut_eval_after=final.get("truncated"))  # the final evaluation's completions cut
         for column, key in STEP_MEANS:
             values = [r[key] for r in steps if r.get(key) is not None]
             row[column] = fmean(values) if values else None

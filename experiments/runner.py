@@ -27,17 +27,42 @@ from policies import sources
 LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
 
 
-def code_version() -> str:
-    """The project's git commit (and whether the work tree differs from it), or "unknown"."""
-    here = Path(__file__).parent
+def code_version(exclude: Path | None = None, root: Path | None = None) -> str:
+    """The project's git commit, with "+local-changes" when tracked files differ from it (those under ``exclude``,
+    the grid's own results folder, aside: the runner writes them), or "unknown" outside a git checkout."""
+    here = root or Path(__file__).parent
+    where = [] if exclude is None else ["--", ".", f":(exclude){Path(exclude).resolve()}"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *where], capture_output=True,
                                text=True, cwd=here, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + ("+local-changes" if dirty else "")) or "unknown"
+
+
+def recorded_commits(out: Path) -> dict[str, str]:
+    """run id -> the code it ran on, from ``commits.txt`` (the last entry of a run wins)."""
+    path = out / "commits.txt"
+    if not path.exists():
+        return {}
+    return dict(line.split() for line in path.read_text().splitlines() if len(line.split()) == 2)
+
+
+def commit_problem(version: str, finished_on: set[str], allow_dirty: bool, allow_mixed: bool) -> str | None:
+    """Why a grid must not run its next runs on ``version`` (None: it may). A grid's results are one commit's:
+    uncommitted changes would make them no commit's, and finished runs of another commit would mix two."""
+    if version.endswith("+local-changes") and not allow_dirty:
+        return ("the work tree has uncommitted changes (git status), so the runs could not name the code they ran "
+                "on; commit them, or pass --allow-dirty")
+    others = sorted(finished_on - {version})
+    if others and not allow_mixed:
+        commit = others[0].removesuffix("+local-changes")
+        return (f"finished runs of this grid ran on {', '.join(others)}, and this is {version}: go on from that "
+                f"commit (e.g. git worktree add ../grid {commit}, and run the same command there), or pass "
+                "--allow-mixed-commits")
+    return None
 
 
 def run_dir(out: Path, run: PlannedRun) -> Path:
@@ -143,7 +168,7 @@ def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:
         config.write_bytes(config_toml(run.config))
         print(f"[{k}/{len(todo)}] {run.id}: running (log: {out / 'logs' / run.id}.log)", flush=True)
         with open(out / "commits.txt", "a") as f:  # the code each run ran on, for results.md
-            f.write(f"{run.id} {code_version()}\n")
+            f.write(f"{run.id} {code_version(out)}\n")
         started = time.time()
         with open(out / "logs" / f"{run.id}.log", "wb") as log:
             rc = subprocess.call([sys.executable, str(LAUNCH), "run", "--config", str(config), "--run-dir", str(path)],

@@ -12,7 +12,7 @@ from experiments.stats import Estimate, estimate, verdict
 
 COSTS = [("thl_residual", "THL residual"), ("prp_w_var", "PRP w variance"), ("prp_truncated_frac", "PRP truncated"),
          ("sgt_rescue_set", "rescue set / step"), ("xgrpo_baseline_shift", "XGRPO baseline shift"),
-         ("xgrpo_fallback_frac", "XGRPO fallback")]
+         ("xgrpo_fallback_frac", "XGRPO fallback"), ("cut_train", "cut (train)"), ("cut_eval_after", "cut (final eval)")]
 
 
 def pts(e: Estimate, signed: bool = True) -> str:
@@ -70,13 +70,14 @@ def cell_section(task: str, model_set: str, rows: list[dict], arms: list[str], b
     out += ["", "Objectives' own figures (mean over steps and seeds). THL residual: the share of a peer's completion "
             "that does not map one-to-one onto the receiver's tokens (GPT-2 writes \" 42\" as one token, Mistral as "
             "three: that group is not one-to-one), measured for every peer sample received, whether the arm reads it "
-            "or not:", "",
+            "or not. Cut: the share of completions that hit max_new_tokens without EOS, the model's own training samples "
+            "and its final evaluation's (a cap that cuts what RL learned turns learning into measured loss):", "",
             "| model | arm | " + " | ".join(label for _, label in COSTS) + " |", "|---|---|" + "---|" * len(COSTS)]
     for m in models:
         for a in present:
             vals = []
             for col, _ in COSTS:
-                xs = [r[col] for r in by_model[(m,)] if r["arm"] == a and r[col] is not None]
+                xs = [r[col] for r in by_model[(m,)] if r["arm"] == a and r.get(col) is not None]  # old csv: none
                 vals.append(f"{fmean(xs):.3g}" if xs else "-")
             out.append(f"| {m} | {a} | " + " | ".join(vals) + " |")
     return out + [""] + answers(rows, models, present, baseline, control) + [""]

@@ -16,6 +16,7 @@ from enginerun import Run
 
 from engine.config import ConfigError
 from experiments.grid import load_grid, plan
+from experiments.runner import code_version, commit_problem
 from experiments.stats import estimate, t_quantile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,8 @@ task = {{kind = "arithmetic", min_digits = 1, max_digits = 1, ops = ["+"], eval_
 
 
 def _experiment(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), "experiment", *args], cwd=ROOT,
+    # --allow-dirty: the suite runs in work trees with uncommitted changes too (the refusal: tested below)
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), "experiment", *args, "--allow-dirty"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
 
 
@@ -53,7 +55,7 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     with the second run only, then writes the results; run again, it has nothing to do."""
     grid = _grid(tmp_path, engine_cache)
     out = tmp_path / "results"
-    first = Run.command(out, "experiment", str(grid))
+    first = Run.command(out, "experiment", str(grid), "--allow-dirty")
     first.wait_for(lambda: "arith-pair-sgt_ref-s0: running" in first.out, "the second run's start", timeout=600)
     first.signal(signal.SIGINT)  # a terminal's Ctrl-C: the runner and the run it started
     assert first.finish() == 130, first.out
@@ -73,6 +75,7 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     ref = [r for r in rows if r["arm"] == "sgt_ref"]
     assert all(r["sgt_rescue_set"] != "" for r in ref)  # the control ran SGT's term (on reference solutions)
     assert all(r["sgt_rescue_set"] == "" for r in rows if r["arm"] == "grpo")
+    assert all(0 <= float(r["cut_train"]) <= 1 and 0 <= float(r["cut_eval_after"]) <= 1 for r in rows)  # the cap's share
     md = (out / "results.md").read_text()
     assert "## arith, pair (gpt2, llama)" in md and "Against solo GRPO (`grpo`)" in md and "sgt_ref" in md
     assert (out / "curves-arith-pair.png").stat().st_size > 0 and (out / "gains-arith-pair.png").stat().st_size > 0
@@ -87,6 +90,31 @@ def test_a_tiny_grid_runs_end_to_end_and_resumes(tmp_path, engine_cache):
     assert edited.returncode == 0 and "2 of 2 runs to go" in edited.stdout, edited.stdout + edited.stderr
     assert edited.stdout.count("to run again: its config changed since it ran") == 2
     assert edited.stdout.count("min of RL, whichever is first") == 2  # run.max_minutes may end a run first
+
+
+def test_a_grid_names_one_commit_and_refuses_to_run_on_uncommitted_or_other_code(tmp_path):
+    """results/smollm2's twelve runs came from ten commits, four with uncommitted changes: never again unless told."""
+    repo = tmp_path / "repo"
+    (repo / "results").mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    for name in ("code.py", "results/results.md"):
+        (repo / name).write_text("v1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "v1")
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    (repo / "results" / "results.md").write_text("the grid's own results, written as it goes\n")
+    assert code_version(repo / "results", root=repo) == head  # the results folder is the runner's to write
+    assert code_version(root=repo) == head + "+local-changes"
+    (repo / "code.py").write_text("v2\n")
+    dirty = code_version(repo / "results", root=repo)
+    assert dirty == head + "+local-changes"
+    assert "uncommitted changes" in commit_problem(dirty, set(), allow_dirty=False, allow_mixed=False)
+    assert commit_problem(dirty, set(), allow_dirty=True, allow_mixed=False) is None
+    other = commit_problem("abc1234", {head}, allow_dirty=False, allow_mixed=False)
+    assert f"ran on {head}" in other and f"git worktree add ../grid {head}" in other
+    assert commit_problem("abc1234", {head}, allow_dirty=False, allow_mixed=True) is None
+    assert commit_problem(head, {head}, allow_dirty=False, allow_mixed=False) is None
 
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
