@@ -41,6 +41,7 @@ from pathlib import Path
 import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
+PSS_EVERY = 5  # samples between PSS readings
 CLIP = (0.2, 0.28)  # the project's GRPO defaults (eps_low, eps_high): TRL's epsilon, epsilon_high
 
 
@@ -72,7 +73,8 @@ def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None,
 
 
 class TreeSampler:
-    """Peak summed RSS/PSS of a process and its descendants, and their CPU time, sampled every second."""
+    """Peak summed RSS/PSS of a process and its descendants, and their CPU time, sampled every second (PSS, which
+    reads every mapping of every process, every PSS_EVERY samples: it costs the measured processes' CPU)."""
 
     def __init__(self, pid: int) -> None:
         import psutil
@@ -94,13 +96,14 @@ class TreeSampler:
                 return
             rss = pss = 0
             cpu = 0.0
+            full = len(self.cpu) % PSS_EVERY == 0
             for p in procs:
                 try:
-                    mem = p.memory_full_info()
+                    mem = p.memory_full_info() if full else p.memory_info()
                     t = p.cpu_times()
                 except psutil.Error:
                     continue
-                rss, pss = rss + mem.rss, pss + getattr(mem, "pss", mem.rss)
+                rss, pss = rss + mem.rss, pss + getattr(mem, "pss", 0)
                 cpu += t.user + t.system + t.children_user + t.children_system
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
             self.cpu.append((time.time(), cpu))
@@ -279,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trl_compare: {exc}", file=sys.stderr)
         return 2
-    result: dict = dict(benchmark="trl_compare", commit=git_commit(), config=str(args.config), seed=args.seed,
+    config = args.config.resolve()
+    shown = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
+    result: dict = dict(benchmark="trl_compare", commit=git_commit(), config=str(shown), seed=args.seed,
                         budget=f"{args.steps} steps" if args.steps else f"{tree['run']['max_minutes']} minutes",
                         model=tree["models"][0]["name"], cores=os.cpu_count())
     with tempfile.TemporaryDirectory(prefix="trl-compare-") as tmp:
