@@ -219,7 +219,9 @@ def test_a_pause_of_the_whole_machine_is_not_silence(tmp_path, engine_cache):
 
 
 def test_a_dead_generator_is_replaced_and_nothing_is_lost(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache)
+    """The run also carries ``--set objective.kl_coef=0.05`` (one run, two checks): it trains to its end with
+    obj/kl > 0 in metrics.jsonl and the same figures in TensorBoard (tests/test_kl_reference.py: the term itself)."""
+    run = Run(tmp_path / "run", engine_cache, "objective.kl_coef=0.05")
     run.wait_steps(2, "gpt2")
     run.kill_worker("w0")  # the static split, in pool-key order: w0 generates for gpt2
     assert run.finish() == 0, run.out[-3000:]
@@ -231,6 +233,13 @@ def test_a_dead_generator_is_replaced_and_nothing_is_lost(tmp_path, engine_cache
     assert result["steps"] == {"gpt2": 12, "llama": 12}
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
     assert run.leftover() == []
+    for model in ("gpt2", "llama"):
+        kls = [s["obj/kl"] for s in run.steps(model)]
+        assert len(kls) == 12 and kls[0] == 0.0 and all(k >= 0.0 for k in kls) and kls[-1] > 0.0, (model, kls)
+        accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+        acc = accumulator.EventAccumulator(str(run.run_dir / "tensorboard" / model))
+        acc.Reload()
+        assert [e.value for e in acc.Scalars("obj/kl")] == pytest.approx(kls, abs=1e-6)
 
 
 def _kill_a_gpt2_learner_rank(tmp_path, cache, worker: str, *sets: str) -> Run:
