@@ -92,12 +92,17 @@ def _k3_per_token(state: dp.TrainState, data: dp.StepData, pad: int) -> float:
     return float((torch.exp(ref - logp) - (ref - logp) - 1).mean())
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora"])
-def test_the_kl_is_exactly_zero_while_the_policy_is_its_start(lora):
+def _started(lora: bool):
+    """A learner's state (full copy or LoRA), its pad id and a step's data."""
     if lora:
         pytest.importorskip("peft")
     state, pad = _state(lora)
-    data = _data(state.model.config.vocab_size)
+    return state, pad, _data(state.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora"])
+def test_the_kl_is_exactly_zero_while_the_policy_is_its_start(lora):
+    state, pad, data = _started(lora)
     batch = build_batch(state.model, data.own, [], data.prompts, 0, pad, reference=state.reference)
     assert torch.equal(batch.ref_logp, batch.logp.detach()) and not batch.ref_logp.requires_grad
     plain, _ = _state(lora)
@@ -114,10 +119,7 @@ def test_the_kl_is_exactly_zero_while_the_policy_is_its_start(lora):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora"])
 def test_the_kl_grows_as_the_policy_moves_and_is_the_k3_mean_per_token(lora):
-    if lora:
-        pytest.importorskip("peft")
-    state, pad = _state(lora)
-    data = _data(state.model.config.vocab_size)
+    state, pad, data = _started(lora)
     kls = [_step(state, data, pad, kl_coef=0.05)["obj/kl"] for _ in range(4)]
     assert kls[0] == 0.0 and min(kls[1:]) > 0.0, kls  # each figure is that of the weights before its step
     measured = _k3_per_token(state, data, pad)  # the weights the next step's figure is taken at
