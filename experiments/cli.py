@@ -180,10 +180,11 @@ def _commit_problem(args: argparse.Namespace, runs, out: Path) -> str | None:
     """Why the grid's next runs must not run on this code (None: they may): see ``runner.commit_problem``."""
     from experiments.runner import code_version, commit_problem, is_done, recorded_commits
 
-    ran = recorded_commits(out)
-    finished_on = {ran[r.id] for r in runs if r.id in ran and is_done(out, r)}
-    if all(is_done(out, r) for r in runs):
+    done = [r for r in runs if is_done(out, r)]  # each run's saved config read once
+    if len(done) == len(runs):
         return None  # nothing to run: the results are rebuilt from what ran
+    ran = recorded_commits(out)
+    finished_on = {ran[r.id] for r in done if r.id in ran}
     return commit_problem(code_version(out), finished_on, args.allow_dirty, args.allow_mixed_commits)
 
 

@@ -31,12 +31,15 @@ def code_version(exclude: Path | None = None, root: Path | None = None) -> str:
     """The project's git commit, with "+local-changes" when tracked files differ from it (those under ``exclude``,
     the grid's own results folder, aside: the runner writes them), or "unknown" outside a git checkout."""
     here = root or Path(__file__).parent
-    where = [] if exclude is None else ["--", ".", f":(exclude){Path(exclude).resolve()}"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
                               timeout=10).stdout.strip()
+        top = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=here,
+                                  timeout=10).stdout.strip() or here).resolve()
+        inside = exclude is not None and Path(exclude).resolve().is_relative_to(top)  # git refuses a path outside
+        where = ["--", ".", f":(exclude){Path(exclude).resolve()}"] if inside else []
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *where], capture_output=True,
-                               text=True, cwd=here, timeout=10).stdout.strip()
+                               text=True, cwd=top, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + ("+local-changes" if dirty else "")) or "unknown"

@@ -106,6 +106,7 @@ def test_a_grid_names_one_commit_and_refuses_to_run_on_uncommitted_or_other_code
     (repo / "results" / "results.md").write_text("the grid's own results, written as it goes\n")
     assert code_version(repo / "results", root=repo) == head  # the results folder is the runner's to write
     assert code_version(root=repo) == head + "+local-changes"
+    assert code_version(tmp_path / "elsewhere", root=repo) == head + "+local-changes"  # a results folder outside
     (repo / "code.py").write_text("v2\n")
     dirty = code_version(repo / "results", root=repo)
     assert dirty == head + "+local-changes"
