@@ -61,9 +61,11 @@ def preflight(cfg, forked: bool = False) -> None:
     if problem:
         raise ConfigError(problem)
     try:
-        make_task(cfg.task)
+        task = make_task(cfg.task)
     except (OSError, ValueError, TaskFileError) as exc:
         raise ConfigError(f"task: {exc}") from None
+    if note := getattr(task, "split_note", None):
+        print(note, flush=True)
     if cfg.pool.allocator == "mwra":
         from engine.schedule.allocator import controller_config
 

@@ -40,7 +40,7 @@ from engine.runtime.hub import start_hub
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.nodes import start_cluster
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
-                                  PeersGone, StepDone, UnitDone, WantWork, Work)
+                                  PeersGone, RewardFailed, StepDone, UnitDone, WantWork, Work)
 from engine.runtime.rundir import write_json, write_pids
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import make_allocator
@@ -208,7 +208,7 @@ class Coordinator:
         self.display, deadline, next_tick = display, self.t_start + self.cfg.run.max_minutes * 60, 0.0
         last_turn = time.time()
         try:
-            while self.interrupted is None and not self.failures.fatal:
+            while self.interrupted is None and not self.failures.fatal and not self.failures.stop_now:
                 running = [m for m in self.names if m not in self.finals and m not in self.failures.left]
                 if not running:
                     break
@@ -326,9 +326,7 @@ class Coordinator:
             elif isinstance(msg, UnitDone):
                 self.dispatch.done(wid, msg.model, msg.prompt_ids)
                 self.busy["gen"][msg.model] += msg.busy_s
-                if msg.verify_timeouts:
-                    self.metrics.write(event="verify_timeout", worker=wid, gen_model=msg.model,
-                                       completions=msg.verify_timeouts)
+                self.failures.judged(wid, msg)
                 if msg.params_digest:
                     self.metrics.write(event="generator_weights", worker=wid, gen_model=msg.model,
                                        weight_version=msg.weight_version, params_digest=msg.params_digest)
@@ -338,6 +336,8 @@ class Coordinator:
                 self._formed(msg)
             elif isinstance(msg, GroupBroken):
                 await self.failures.broken(msg)
+            elif isinstance(msg, RewardFailed):
+                self.failures.reward_failed(msg.text)
             elif isinstance(msg, LearnerFinal):
                 self.finals[msg.model] = msg
                 self.dispatch.leave(msg.model)

@@ -129,7 +129,7 @@ def _arch_problem(runs) -> str | None:
                     found = AutoConfig.from_pretrained(m.checkpoint).model_type
                 except (OSError, ValueError) as exc:
                     return f"{m.checkpoint}: transformers cannot read its config.json ({exc})"[:300]
-                if found != m.arch:
+                if m.arch and found != m.arch:
                     return f"model {m.name!r}: {m.checkpoint} is a {found!r} model but its arch is {m.arch!r}"
     return None
 

@@ -22,7 +22,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """What model to train: its family, tokenizer and size (or a checkpoint to load)."""
 
     name: str  # unique per run: names the model's topics, metrics and run-dir files
-    arch: str  # the model_type (config.json) of a causal LM: picks the model class and the prompt template
+    # the model_type (config.json) of a causal LM: picks the model class and the prompt template; "" = the
+    # checkpoint's own (a run config fills it in when it loads)
+    arch: str = ""
     # a tokenbridge name ("gpt2", "mistral", "qwen2") or a tokenizer dir; "" = the checkpoint's own
     tokenizer: str = ""
     n_layer: int = 2  # decoder blocks of a model built from this spec (not read with a checkpoint)

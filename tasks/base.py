@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import traceback
 from typing import Callable, Protocol, TypeVar
 
 import msgspec
@@ -46,6 +47,26 @@ class Task(Protocol):
     def worked_solution(self, problem: Problem) -> str:
         """A correct completion text for `problem` (the warm start's target)."""
         ...
+
+
+class VerifierError(Exception):
+    """A task's verifier raised on a completion; the message says what, where and on which problem."""
+
+
+def verify_safely(task: Task, problem: Problem, text: str, errors: list[str] | None = None) -> Verdict:
+    """``task.verify``, where a verifier (a user's reward function) that raises is a VerifierError naming the
+    exception, its file and line and the problem; or, given ``errors``, a verdict of 0 with that line added."""
+    try:
+        return task.verify(problem, text)
+    except Exception as exc:  # the user's code: whatever it raises is named, never a dead process
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} (in {frames[-1].name})" if frames else ""
+        said = (f"the task's verifier raised {type(exc).__name__}: {exc}{where}, judging problem {problem.prompt_id} "
+                f"({problem.question[:80]!r})")
+        if errors is None:
+            raise VerifierError(said) from None
+        errors.append(said)
+        return Verdict(reward=0.0, verified=False)
 
 
 def stable_fraction(text: str) -> float:

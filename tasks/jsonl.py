@@ -57,6 +57,10 @@ class JsonlTask:
                     f"{config.path}: {len(rows)} problems leave an empty train or held-out split; "
                     "add lines, change eval_fraction, or set eval_path"
                 )
+        # said once by the launcher: how many lines the hash split kept for evaluation (few, on a small file)
+        self.split_note = None if config.eval_path is not None else (
+            f"task: {len(self._eval)} of the {len(rows)} problems in {config.path} are held out for evaluation "
+            f"(eval_fraction={config.eval_fraction:g}, by a hash of the prompt); set task.eval_path to choose them")
         self._order = list(range(len(self._train)))
         random.Random(f"jsonl:{config.seed}").shuffle(self._order)
         self._verifier = BoundedVerifier(config.verify_timeout_s)

@@ -99,6 +99,26 @@ def test_an_empty_checkpoint_directory_is_refused_up_front(tmp_path):
         load_run_config(SMOKE, [f"models.0.checkpoint='{tmp_path / 'ckpt'}'"])
 
 
+def _llama_checkpoint(path: Path) -> Path:
+    """A save_pretrained-shaped directory of a llama (its weights file only has to exist for the config check)."""
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_arch_is_read_from_the_checkpoint_and_a_wrong_one_is_one_line(tmp_path):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    cfg = load_run_config(SMOKE, [f"models.0.checkpoint='{ckpt}'", "models.0.arch=''"])
+    assert cfg.models[0].arch == "llama"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(SMOKE, [f"models.0.checkpoint='{ckpt}'", "models.0.arch='gpt2'"])
+    assert "models.0.arch: 'gpt2', but " in str(err.value) and "is a 'llama' model" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="models.0.arch: required for a model built from scratch"):
+        load_run_config(SMOKE, ["models.0.arch=''"])
+
+
 def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.delenv("MUTUAL_RL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -136,6 +156,11 @@ def test_launch_refuses_missing_checkpoint_and_bad_tokenizer(tmp_path):
     result = _launch("run", "--config", str(SMOKE), "--set", f"models.0.checkpoint='{tmp_path / 'empty'}'",
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and "no config.json" in result.stderr and "Traceback" not in result.stderr
+    wrong = _llama_checkpoint(tmp_path / "llama")  # the user's llama named as gpt2: one line, nothing written
+    result = _launch("run", "--config", str(SMOKE), "--set", f"models.0.checkpoint='{wrong}'",
+                     "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "models.0.arch: 'gpt2', but" in result.stderr, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and not (tmp_path / "run").exists()
     result = _launch("run", "--config", str(SMOKE), "--set", "models.1.tokenizer='/nonexistent/tok'",
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and "models.1.tokenizer" in result.stderr, result.stderr

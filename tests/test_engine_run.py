@@ -310,3 +310,51 @@ def test_death_of_the_broker_past_its_restarts_stops_the_run_with_one_error(tmp_
     assert "error: the broker exited with code -9 while the run was going" in run.out
     assert "Traceback" not in run.out and (run.run_dir / "FAILED").exists()
     assert run.leftover() == []
+
+
+FLAKY_TASK = '''
+from tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+
+class Flaky(ArithmeticTask):
+    """The smoke config's arithmetic, with a reward function that breaks on some answers."""
+
+    def verify(self, problem, completion_text):
+        if problem.answer.endswith(BREAKS_ON):
+            return {}["no reward for " + problem.answer]
+        return super().verify(problem, completion_text)
+
+
+def make():
+    return Flaky(ArithmeticConfig(min_digits=1, max_digits=1, ops=["+"], eval_fraction=0.2))
+'''
+
+
+@pytest.mark.parametrize("breaks_on, mode", [("3", "stop"), ("3", "zero"), ("", "stop")])
+def test_a_reward_function_that_raises_is_named_once_and_stops_or_scores_zero(tmp_path, breaks_on, mode):
+    """A user's Python task whose verify raises (on answers ending in 3, never in the smoke's held-out problems;
+    or always, so first in the warm start's evaluation): train.reward_errors = "stop" ends the run with one line
+    naming the exception, its file and line and the problem, no traceback; "zero" trains to the end with those
+    completions scored 0 and counted."""
+    import tomli_w
+    import tomllib
+
+    (tmp_path / "flaky_task.py").write_text(f"BREAKS_ON = {breaks_on!r}\n{FLAKY_TASK}")
+    tree = tomllib.loads((ROOT / "configs/smoke.toml").read_text())
+    tree["task"] = {"kind": "python", "factory": "flaky_task:make"}
+    (tmp_path / "flaky.toml").write_text(tomli_w.dumps(tree))
+    run = Run(tmp_path / "run", tmp_path / "cache", "warmstart.steps=0",
+              f"train.reward_errors='{mode}'", config=str(tmp_path / "flaky.toml"), env={"PYTHONPATH": str(tmp_path)})
+    code = run.finish()
+    said = re.findall(r"the task's verifier raised KeyError: 'no reward for \d*3?' at (\S+):(\d+) \(in verify\), "
+                      r"judging problem \d+", run.out)
+    assert "Traceback" not in run.out and len(said) == 1, run.out[-3000:]
+    assert said[0] == (str(tmp_path / "flaky_task.py"), "11")  # the line of its raise
+    if mode == "zero":
+        assert code == 0 and run.result()["steps"] == {"gpt2": 12, "llama": 12}, run.out[-3000:]
+        assert sum(r["completions"] for r in run.events("reward_error")) > 0
+        assert run.result()["audit"]["lost"] == 0
+    else:
+        assert code == 1 and "error: " in run.out and (run.run_dir / "FAILED").exists(), run.out[-3000:]
+        assert ("the warm start of gpt2 stopped: " in run.out) == (breaks_on == "")
+        assert run.leftover() == []

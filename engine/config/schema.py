@@ -76,6 +76,9 @@ class TrainSection(_Section):
     warmup_steps: Annotated[int, Meta(ge=0)] = 0  # linear lr warm-up
     max_new_tokens: PosInt = 12  # longest completion a generator samples (and evaluations: eval.max_new_tokens)
     temperature: PosFloat = 1.0  # sampling temperature of the generators
+    # a task's verifier (your reward function) that raises: "stop" ends the run cleanly, naming the exception, its
+    # file and line and the problem; "zero" scores that completion 0 and counts it (metrics: reward_error)
+    reward_errors: Literal["stop", "zero"] = "stop"
     max_inflight_steps: PosInt = 2  # steps of work a model's generators may run ahead of its learner
     max_model_lead_steps: PosInt = 4  # ... and ahead of the slowest live peer's learner
     # a learner group of several ranks: "replicate" (each rank holds the whole state, gradients all-reduced) or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -36,7 +37,10 @@ def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
         raise ConfigError(f"{origin.file}: models: at least one [[models]] table is required")
     names, families = cfg.names, causal_lm_families()
     for i, m in enumerate(cfg.models):
-        if m.arch not in families:
+        if not m.arch and m.checkpoint is None:
+            raise origin.error(f"models.{i}.arch", "required for a model built from scratch (no checkpoint to read "
+                                                   'it from), e.g. arch = "llama"')
+        if m.arch and m.arch not in families:
             hint = did_you_mean(m.arch, families, list_all=False) or " (e.g. gpt2, llama, qwen2)"
             raise origin.error(f"models.{i}.arch", f"{m.arch!r} is not a causal-LM model_type of the installed "
                                                    f"transformers{hint}")
@@ -70,8 +74,25 @@ def _located(m, i: int, cfg: RunConfig, origin: Origin):
         raise origin.error(key, str(exc)) from None
     if problem := checkpoint_problem(source.directory):
         raise origin.error(key, problem)
+    found = checkpoint_model_type(source.directory)
+    if m.arch and found and found != m.arch:  # loading it would fail in every worker, after the run started
+        raise origin.error(f"models.{i}.arch", f"{m.arch!r}, but {m.checkpoint} is a {found!r} model "
+                                               f"(model_type in its config.json): set arch = {found!r} or leave it out")
+    if not m.arch and found not in causal_lm_families():
+        raise origin.error(key, f"{m.checkpoint}'s config.json names model_type {found!r}, not a causal-LM "
+                                "model_type of the installed transformers; set models.N.arch")
     directory = str(source.directory)
-    return msgspec.structs.replace(m, checkpoint=directory, tokenizer=m.tokenizer or directory)
+    return msgspec.structs.replace(m, checkpoint=directory, tokenizer=m.tokenizer or directory, arch=m.arch or found)
+
+
+def checkpoint_model_type(path: Path) -> str | None:
+    """The ``model_type`` of a save_pretrained directory's config.json (read as JSON: the launcher does not import
+    transformers), or None when it names none."""
+    try:
+        found = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def _convert_in_child(source) -> None:

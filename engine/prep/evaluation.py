@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import weakref
 from typing import Literal
 
 import msgspec
@@ -12,9 +13,13 @@ from transformers import PreTrainedTokenizerBase
 
 from policies.backend import GenerationBackend
 from policies.templates import prompt_ids
-from tasks.base import Task
+from tasks.base import Problem, Task, verify_safely
 
 EVAL_PROGRESS_EVERY_S = 5.0
+# draws of eval_problem in a row that bring no new question before the held-out set is taken to be exhausted (a
+# task that cycles, as a small JSONL file does, repeats itself from then on)
+REPEATS_TO_EXHAUSTED = 100
+_DISTINCT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # task -> its distinct held-out problems so far
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -40,28 +45,63 @@ def evaluate(
     seed: int = 0,
     split: Literal["eval", "train"] = "eval",
     progress=None,
+    reward_errors: Literal["stop", "zero"] = "stop",
 ) -> EvalResult:
     """Accuracy on problems 0..num_problems-1 of the held-out set (greedy by default,
     so reproducible). split="train" measures training problems instead (for early
     stopping without peeking at the held-out set). ``progress(done, total, correct)`` is called after
-    each batch. Completions that end without EOS are counted (``truncated``), whatever their verdict."""
+    each batch. Completions that end without EOS are counted (``truncated``), whatever their verdict. A verifier
+    that raises is a VerifierError, or with ``reward_errors="zero"`` a wrong answer (train.reward_errors)."""
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
-    draw = task.eval_problem if split == "eval" else task.problem
+    if split == "eval":  # each held-out question scored once: a repeated one would shrink the standard error
+        held_out = held_out_problems(task, num_problems)
+        num_problems, draw = len(held_out), held_out.__getitem__
+    else:
+        draw = task.problem
     correct = cut = 0
+    errors: list[str] | None = [] if reward_errors == "zero" else None
     for start in range(0, num_problems, batch_size):
         problems = [draw(i) for i in range(start, min(start + batch_size, num_problems))]
         prompts = [prompt_ids(tokenizer, arch, p.question) for p in problems]
         samples = backend.generate(prompts, 1, max_new_tokens, temperature, seed=seed + start)
         for problem, (sample,) in zip(problems, samples):
             text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-            correct += task.verify(problem, text).verified
+            correct += verify_safely(task, problem, text, errors).verified
             cut += sample.finish_reason == "length"
         if progress is not None:
             progress(start + len(problems), num_problems, correct)
     accuracy = correct / num_problems
     return EvalResult(accuracy=accuracy, stderr=math.sqrt(accuracy * (1 - accuracy) / num_problems), n=num_problems,
                       truncated=cut / num_problems)
+
+
+def held_out_problems(task: Task, wanted: int) -> list[Problem]:
+    """The task's first ``wanted`` distinct held-out questions, in order, or all there are when fewer exist: the
+    draws stop where ``eval_problem`` raises IndexError or ValueError (no such problem) or brings nothing new
+    REPEATS_TO_EXHAUSTED times in a row (it cycles). Remembered per task object."""
+    try:
+        found, questions, index, repeats = _DISTINCT[task]
+    except (KeyError, TypeError):
+        found, questions, index, repeats = [], set(), 0, 0
+    while len(found) < wanted and repeats < REPEATS_TO_EXHAUSTED:
+        try:
+            problem = task.eval_problem(index)
+        except (IndexError, ValueError):
+            if index == 0:
+                raise
+            repeats = REPEATS_TO_EXHAUSTED  # exhausted: asking again would only raise again
+            break
+        index += 1
+        repeats = repeats + 1 if problem.question in questions else 0
+        if not repeats:
+            questions.add(problem.question)
+            found.append(problem)
+    try:
+        _DISTINCT[task] = (found, questions, index, repeats)
+    except TypeError:  # a task that cannot be weakly referenced is drawn anew each time
+        pass
+    return found[:wanted]
 
 
 class EvalProgress:
@@ -89,7 +129,7 @@ class EvalProgress:
 
 def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task: Task, num_problems: int,
                       settings, max_new_tokens: int, label: str | None = None,
-                      result_line: bool = True) -> EvalResult:
+                      result_line: bool = True, reward_errors: Literal["stop", "zero"] = "stop") -> EvalResult:
     """``evaluate`` of a policy module as it is (eval mode for the duration), with a run's ``[eval]`` settings;
     ``label`` (e.g. "gpt2 final (held-out)"): progress lines while it runs and, with ``result_line``, its result
     at its end."""
@@ -103,6 +143,7 @@ def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task
                             device=device)
         return evaluate(backend, tokenizer, arch, task, num_problems, temperature=settings.temperature,
                         batch_size=settings.batch_size, max_new_tokens=max_new_tokens,
-                        progress=EvalProgress(label, result_line=result_line) if label else None)
+                        progress=EvalProgress(label, result_line=result_line) if label else None,
+                        reward_errors=reward_errors)
     finally:
         model.train(was_training)

@@ -65,6 +65,9 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
           flush=True)
     mine = list(running)
     await asyncio.gather(*(asyncio.to_thread(a.process.join) for a in mine))
+    said = {m.name: _take(path.with_suffix(".error")) for m, path in zip(cfg.models, paths)}
+    if stopped := [f"the warm start of {name} stopped: {text}" for name, text in said.items() if text]:
+        raise PrepFailed(stopped[0])
     results = []
     for m, path, actor in zip(cfg.models, paths, mine):
         if actor.exitcode != 0 or not path.exists():
@@ -76,9 +79,19 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
     return results
 
 
+def _take(path: Path) -> str | None:
+    """A file's text, the file removed; None where there is none."""
+    if not path.exists():
+        return None
+    text = path.read_text()
+    path.unlink()
+    return text
+
+
 def prepare_model(payload: bytes) -> int:
     """Process entry: warm-start one model (cached), evaluate it (cached), write the result."""
     from engine.prep.warmstart import warm_start_and_end, warm_start_path
+    from tasks.base import VerifierError
     from tasks.registry import make_task
     from tokenbridge import load_tokenizer
 
@@ -90,10 +103,14 @@ def prepare_model(payload: bytes) -> int:
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
-    model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
-                                      device=prep_device(cfg, plan.model_index))
-    checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
-    ev = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
+    try:
+        model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
+                                          device=prep_device(cfg, plan.model_index))
+        checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
+        ev = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
+    except VerifierError as exc:  # the user's reward function: one line for the launcher, not a traceback
+        _atomic_write(Path(plan.result_path).with_suffix(".error"), str(exc).encode())
+        return 1
     result = PrepResult(model=m.name, checkpoint=str(checkpoint), warm_accuracy=ev["accuracy"],
                         warm_accuracy_stderr=ev["stderr"], eval_n=ev["n"], vocab_size=len(tokenizer),
                         warm_start_end=ended, warm_truncated=ev.get("truncated"))
@@ -120,16 +137,24 @@ def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: 
     ev = cfg.eval
     # "max_new" is the length the evaluation decodes: with eval.max_new_tokens = 0 it is the training length,
     # as before that key existed, so the caches written then still answer
+    # (and "distinct": scored over distinct held-out questions; a cache from before, with a small task's
+    # questions repeated up to n, is not read)
     key = hashlib.sha256(msgspec.json.encode(
-        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.eval_max_new_tokens}
+        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.eval_max_new_tokens,
+         "distinct": True}
     )).hexdigest()[:16]
     path = checkpoint / f"eval-{key}.json"
     if path.exists():
-        return json.loads(path.read_text())
-    result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.eval_max_new_tokens,
-                               label=f"{name} after the warm start (held-out)")
-    data = {"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n, "truncated": result.truncated}
-    _atomic_write(path, json.dumps(data).encode())
+        data = json.loads(path.read_text())
+    else:
+        result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.eval_max_new_tokens,
+                                   label=f"{name} after the warm start (held-out)",
+                                   reward_errors=cfg.train.reward_errors)
+        data = {"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n, "truncated": result.truncated}
+        _atomic_write(path, json.dumps(data).encode())
+    if data["n"] < ev.num_problems:
+        print(f"{name}: the task has {data['n']} distinct held-out problems, fewer than eval.num_problems="
+              f"{ev.num_problems}; each is scored once", file=sys.stderr, flush=True)
     return data
 
 

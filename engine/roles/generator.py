@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from engine.runtime.plane import HandBack, Order, UnitDone, WantWork, WorkUnit
+from engine.runtime.plane import HandBack, Order, RewardFailed, UnitDone, WantWork, WorkUnit
 from engine.train.group import params_digest
 from engine.weights.channel import WeightSyncError
 from engine.weights.ends import weight_reader
@@ -28,6 +28,7 @@ from policies.lora import has_adapters, merged
 from policies.models import pad_token_id
 from policies.sglang_backend import SglangBackend, engine_args, sglang_backend
 from policies.templates import prompt_ids
+from tasks.base import VerifierError, verify_safely
 
 
 async def generate_role(worker, order: Order) -> None:
@@ -58,7 +59,16 @@ async def generate_role(worker, order: Order) -> None:
             started = time.time()  # a unit's budget covers loading the newest weights too
             policy.version = await _weights_for(worker, reader, unit)
             await asyncio.to_thread(_push_weights, backend, policy)
-            exps, timeouts = await asyncio.to_thread(sample_unit, worker, backend, tok, unit, policy.version, started)
+            try:
+                exps, timeouts, errors = await asyncio.to_thread(sample_unit, worker, backend, tok, unit,
+                                                                 policy.version, started)
+            except VerifierError as exc:  # nothing of the unit was published: it goes back, and the run stops
+                worker.inbox.work.appendleft(unit)
+                await worker.plane.send(RewardFailed(worker.id, model, str(exc)))
+                while not worker.inbox.halt and not worker.inbox.newer_order(order):
+                    worker.check_listener()
+                    await worker.inbox.wait()
+                break
             await worker.pad_to_budget("gen", model, started, len(exps))
             for exp in exps:
                 await worker.pub.send(exp)
@@ -68,7 +78,8 @@ async def generate_role(worker, order: Order) -> None:
             digest = "" if checked else params_digest(policy.module)
             checked = True
             await worker.plane.send(UnitDone(worker.id, model, unit.prompt_ids, len(exps), policy.version,
-                                             time.time() - started, digest, timeouts))
+                                             time.time() - started, digest, timeouts, len(errors),
+                                             errors[0] if errors else ""))
             window = time.time() - window_start
             await worker.pub.send(Stats(
                 schema=SCHEMA_VERSION, worker_id=worker.id, role="generator", model=model, time=time.time(),
@@ -129,9 +140,10 @@ async def _weights_for(worker, reader, unit: WorkUnit) -> int:
 
 
 def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version: int,
-                started: float) -> tuple[list[Experience], int]:
-    """G completions for each prompt of ``unit``, verified and scored, as Experience messages; and how many
-    of them the verifier ran out of time on (judged wrong)."""
+                started: float) -> tuple[list[Experience], int, list[str]]:
+    """G completions for each prompt of ``unit``, verified and scored, as Experience messages; how many of them
+    the verifier ran out of time on (judged wrong); and what it raised on, scored 0 (train.reward_errors =
+    "zero"; with "stop" the first raise is a VerifierError)."""
     cfg, model = worker.cfg, unit.model
     arch = cfg.model(model).arch
     prompts = [prompt_ids(tok, arch, p.question) for p in unit.problems]
@@ -139,11 +151,11 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
     with torch.no_grad():
         samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)
     done = time.time()
-    out, timeouts = [], 0
+    out, timeouts, errors, zero = [], 0, [], cfg.train.reward_errors == "zero"
     for problem, ids, group in zip(unit.problems, prompts, samples):
         for k, sample in enumerate(group):
             text = tok.decode(sample.completion_ids, skip_special_tokens=True)
-            verdict = worker.task.verify(problem, text)
+            verdict = verify_safely(worker.task, problem, text, errors if zero else None)
             timeouts += verdict.timed_out
             out.append(Experience(
                 schema=SCHEMA_VERSION, run_id=worker.plan.run_id,
@@ -155,4 +167,5 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
                 reward=float(verdict.reward), verified=bool(verdict.verified),
                 finish_reason=sample.finish_reason, created_at=started, generated_at=done,
             ))
-    return out, timeouts
+    return out, timeouts, errors
+

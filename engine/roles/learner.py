@@ -255,7 +255,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                       ev.live_problems, ev, core.cfg.eval_max_new_tokens,
                                       f"{core.model_name} live at step {version} (eval.live_problems)",
-                                      result_line=False)  # its result shows in the live display's acc@N
+                                      False, core.cfg.train.reward_errors)  # no result line: the display's acc@N
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_truncated=res.truncated)
     if _checkpoint_due(core):
         started = time.time()
@@ -336,7 +336,7 @@ async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     ckpt = str(await asyncio.to_thread(_checkpoint, core))
     res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
                                   cfg.eval.num_problems, cfg.eval, cfg.eval_max_new_tokens,
-                                  f"{core.model_name} final (held-out)")
+                                  f"{core.model_name} final (held-out)", True, cfg.train.reward_errors)
     queued = list(core.ingest.complete)
     t = core.totals
     core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr,

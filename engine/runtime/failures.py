@@ -60,12 +60,36 @@ class FailurePolicy:
         self.breaks: dict[str, int] = {}
         self.messages: list[str] = []  # why the run is FAILED
         self.fatal: str | None = None
+        self.stop_now: str | None = None  # why the run stops cleanly now (a verifier raised), FAILED at its end
+        self.reward_errors_said = False
         self.broker_restarts = 0
         self.learner_restarts: dict[str, int] = {}
 
     def fail(self, text: str) -> None:
         if text not in self.messages:
             self.messages.append(text)
+
+    def reward_failed(self, text: str) -> None:
+        """A verifier raised (train.reward_errors = "stop"): the run stops as at its time limit, then ends FAILED
+        with ``text`` (said once, there; other generators' reports of the same are dropped)."""
+        if self.stop_now is None:
+            self.stop_now = text
+            self.fail(text)
+            self.c.say('\nthe task\'s verifier raised: stopping (train.reward_errors = "stop"; the error is below)')
+
+    def judged(self, wid: str, done) -> None:
+        """A unit's verifier time-outs and errors scored 0 (train.reward_errors = "zero"): counted in the metrics,
+        the first error said once."""
+        if done.verify_timeouts:
+            self.c.metrics.write(event="verify_timeout", worker=wid, gen_model=done.model,
+                                 completions=done.verify_timeouts)
+        if done.reward_errors:
+            self.c.metrics.write(event="reward_error", worker=wid, gen_model=done.model,
+                                 completions=done.reward_errors, first=done.reward_error)
+            if not self.reward_errors_said:
+                self.reward_errors_said = True
+                self.c.say(f"[run] {done.reward_error}; scored 0 (train.reward_errors = \"zero\"; every such "
+                           "completion is counted in the metrics as reward_error)")
 
     async def watching(self, coro) -> None:
         """Run ``coro`` while watching every process; a fatal death cancels it and raises RunFailed."""

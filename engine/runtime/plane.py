@@ -94,6 +94,16 @@ class UnitDone(_Msg, tag="udone"):
     busy_s: float  # generating (weights loaded, sampled, verified), without waiting for work
     params_digest: str = ""  # sha256 of the weights used, on a role's first unit (checks the hand-over)
     verify_timeouts: int = 0  # completions the task's verifier ran out of time on (judged wrong)
+    reward_errors: int = 0  # completions the verifier raised on, scored 0 (train.reward_errors = "zero")
+    reward_error: str = ""  # the first of them, described (roles.generator.reward_error_text)
+
+
+class RewardFailed(_Msg, tag="rfail"):
+    """A generator's verifier raised (train.reward_errors = "stop"): the run stops; nothing of the unit was sent."""
+
+    worker_id: str
+    model: str
+    text: str  # the exception, where it was raised and on which problem
 
 
 class StepDone(_Msg, tag="sdone"):
@@ -238,7 +248,7 @@ class NodeStop(_Msg, tag="nstop"):
     grace_s: float
 
 
-ToCoordinator = Union[Hello, WantWork, HandBack, UnitDone, StepDone, GroupFormed, GroupBroken, LearnerFinal,
+ToCoordinator = Union[Hello, WantWork, HandBack, UnitDone, RewardFailed, StepDone, GroupFormed, GroupBroken, LearnerFinal,
                       NodeHello, NodeBeat, ActorExited, NodeDone]
 ToWorker = Union[Order, Regroup, Work, PeersGone, Halt, BrokerBack]
 ToNode = Union[Spawn, Signal, NodeBeat, NodeStop]
