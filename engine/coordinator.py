@@ -118,7 +118,7 @@ class Coordinator:
 
     def _on_signal(self, sig: int) -> None:
         if self.interrupted is not None:  # a second Ctrl-C: stop waiting for checkpoints and evaluations
-            self.failures.fail(f"{signal.Signals(sig).name} twice: stopped without waiting for final evaluations")
+            self.failures.aborted = sig  # the user's choice, not a failure: INTERRUPTED, and resumable
             for a in [*self.actors.values(), *getattr(self, "prep_actors", [])]:
                 a.process.kill()
             return

@@ -71,7 +71,7 @@ def write_result(c) -> RunResult:
                        formations=sorted(c.formations.values(), key=lambda r: (r["model"], r["epoch"])),
                        timeline=c.timeline, audit=audit, truncated=truncated(c))
     (c.run_dir / "run_result.json").write_bytes(msgspec.json.encode(result))
-    if not audit.ok:
+    if audit.duplicates or (audit.lost and not c.failures.aborted):  # (aborted: the log keeps them for a resume)
         c.failures.fail(f"the audit of the experience log found {audit.lost} lost and {audit.duplicates} "
                         "duplicated experiences")
     return result
@@ -104,14 +104,20 @@ def report(c, result: RunResult | None) -> int:
         print_summary(c.cfg, c.preps, c.finals, train_cut(c))
     if result is not None:
         a = result.audit
+        lost = (f"lost {a.lost}" if not c.failures.aborted else
+                f"{a.lost} not trained (kept in the log: a resume trains them)")
         c.say(f"[run] {trained_by_every_model(result)}; "
               f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
-              f"experience logged {a.logged}, lost {a.lost}, duplicated {a.duplicates}")
+              f"experience logged {a.logged}, {lost}, duplicated {a.duplicates}")
     if c.interrupted is not None:
         name = signal.Signals(c.interrupted).name
         # In the config's model order, not the order the finals came in: the marker reads the same every run.
         saved = ", ".join(f"{m} at step {c.finals[m].step}" for m in c.names if m in c.finals) \
             or "none (nothing trained)"
+        if c.failures.aborted:
+            saved = (f"none (a second {signal.Signals(c.failures.aborted).name} skipped them; `launch.py resume "
+                     f"{c.run_dir}` goes on from each model's newest checkpoint, or its warm start, and trains the "
+                     "logged samples it had not)")
         mark(c.run_dir, "INTERRUPTED", f"stopped by {name} during {c.interrupted_in}; "
                                        f"checkpoints and final evaluations: {saved}")
     if c.failures.messages:

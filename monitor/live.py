@@ -284,7 +284,7 @@ class LiveState:
                                                   (m["warm_accuracy"], "warm start")) if a is not None), (None, ""))
             lines.append(f"  {name}: step {m['step']}  reward {_f(reward)}  acc {_f(acc)} ({which})  "
                          f"{m['samples_per_s']:.1f} samples/s  {m['tokens_per_s']:.0f} tokens/s  "
-                         f"staleness {_f(m['staleness_mean'], '.2f')}  samples {m['samples']}")
+                         f"staleness {_f(m['staleness_mean'], '.2f')}  generated {m['samples']} samples")
         for e in snap["edges"]:
             lines.append(f"  {e['src']} -> {e['dst']}: {e['rate']:.1f} exp/s  rescued {e['rescue']:.0f}  "
                          f"THL residual {_f(e['residual'])}  used {e['used']}  late {e['late']}  "

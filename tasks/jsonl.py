@@ -1,8 +1,12 @@
 """Problems from a local JSONL file: one {"prompt": ..., "answer": ...} object a line.
 
-Answers are checked with math-verify (the completion's final math expression against
-the reference, up to mathematical equivalence). The file is validated when the task
-is made: the first bad line is one TaskFileError naming the file and the line.
+Answers are checked strictly by default (``answer_check = "strict"``): the completion's one answer is read where
+an answer may stand (``tasks.answers.strict_answer``: a ``\\boxed{}``, an ``Answer:`` line, or a number or
+expression at the very end), then compared with the reference, exactly for plain numbers and with math-verify
+(up to mathematical equivalence) otherwise. ``answer_check = "math_verify"`` hands math-verify the whole
+completion instead, which finds an answer almost anywhere ("2abc99" reads 2): lenient, and a reward to be
+hacked. The file is validated when the task is made: the first bad line is one TaskFileError naming the file and
+the line.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
+from tasks.answers import plain_number, strict_answer
 from tasks.base import Problem, Verdict, is_held_out, register_task
 from tasks.bounded import BoundedVerifier
 
@@ -31,6 +36,8 @@ class JsonlConfig(msgspec.Struct, tag="jsonl", tag_field="kind", forbid_unknown_
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # used when no eval_path
     seed: int = 0  # shuffles the training order
     verify_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a completion still unjudged then is wrong
+    # "strict": the one answer where an answer stands (boxed, an Answer: line, the end); "math_verify": anywhere
+    answer_check: Literal["strict", "math_verify"] = "strict"
 
 
 class _Line(msgspec.Struct):
@@ -74,7 +81,15 @@ class JsonlTask:
         return Problem(prompt_id=index, task=self.name, question=prompt, answer=answer)
 
     def verify(self, problem: Problem, completion_text: str) -> Verdict:
-        """math-verify, bounded by ``verify_timeout_s`` in any thread (``tasks.bounded``); a time-out is wrong."""
+        """The answer check (module doc); math-verify bounded by ``verify_timeout_s`` in any thread
+        (``tasks.bounded``), a time-out judged wrong."""
+        if self.config.answer_check == "strict":
+            answer = strict_answer(completion_text)
+            if answer is None:
+                return Verdict(reward=0.0, verified=False)
+            if (given := plain_number(answer)) is not None and (gold := plain_number(problem.answer)) is not None:
+                return Verdict(reward=float(given == gold), verified=given == gold)
+            completion_text = f"${answer}$"
         correct = self._verifier.check(_gold_text(problem.answer), completion_text)
         if correct is None and self._verifier.timeouts == 1:
             print(f"[jsonl] a completion took over {self.config.verify_timeout_s:g}s to verify: judged wrong "
@@ -98,6 +113,8 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors write one)
             if not line.strip():
                 continue
             try:

@@ -90,6 +90,17 @@ def test_an_error_in_a_set_value_names_the_flag_not_the_file():
     assert str(err.value).startswith("--set pool.workers=3: pool.workers: 2 models need at least 4 workers")
 
 
+def test_a_task_kind_switched_by_a_flag_drops_the_files_task_fields_and_says_so(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    cfg = load_run_config(SMOKE, ["task.kind=jsonl", f"task.path='{data}'"])
+    assert cfg.task.path == str(data)
+    assert "note: --set task.kind=jsonl: ignoring" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as err:  # a misplaced flag of its own is still named
+        load_run_config(SMOKE, ["task.kind=jsonl", f"task.path='{data}'", "task.min_digits=2"])
+    assert str(err.value).startswith("--set task.min_digits=2: task: unknown field min_digits"), err.value
+
+
 def test_an_empty_checkpoint_directory_is_refused_up_front(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(ConfigError, match="models.0.checkpoint: .*ckpt has no config.json"):
@@ -117,6 +128,16 @@ def test_arch_is_read_from_the_checkpoint_and_a_wrong_one_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="models.0.arch: required for a model built from scratch"):
         load_run_config(SMOKE, ["models.0.arch=''"])
+
+
+def test_a_checkpoint_is_not_warm_started_unless_the_config_asks(tmp_path):
+    from engine.prep.prepare import warm_start_steps
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    cfg = load_run_config(SMOKE, [f"models.0.checkpoint='{ckpt}'", "models.0.arch=''"])
+    assert [warm_start_steps(cfg, i) for i in (0, 1)] == [0, cfg.warmstart.steps]  # the built one still is
+    cfg = load_run_config(SMOKE, [f"models.0.checkpoint='{ckpt}'", "models.0.arch=''", "models.0.warmstart_steps=30"])
+    assert warm_start_steps(cfg, 0) == 30
 
 
 def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ def test_smoke_run_completes_and_writes_its_run_dir(smoke_run):
     run, code = smoke_run
     assert code == 0, run.out[-3000:]
     assert "mutual RL summary" in run.out and "lost 0, duplicated 0" in run.out
+    assert not re.search(r"training (solo|with .*) from step 13\b", run.out)  # 12 steps: no 13th, solo or not
     assert (run.run_dir / "config.toml").exists() and not (run.run_dir / "FAILED").exists()
     assert not (run.run_dir / "INTERRUPTED").exists()
     assert "report: " not in run.out and not (run.run_dir / "report.md").exists()  # run.report=false (enginerun.Run)

@@ -131,6 +131,34 @@ def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tm
 
 
 @pytest.mark.slow
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(tmp_path, engine_cache):
+    """A double Ctrl-C at step 2 (final checkpoints skipped: INTERRUPTED, exit 130, resumable), then a SIGKILL of
+    the launcher at step 2 of the resumed session, both before any checkpoint (run.checkpoint_every = 50): each
+    resume starts from the warm start and trains the logged samples, and the run ends as an uninterrupted one."""
+    run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}")
+    run.wait_steps(2, "llama", timeout=900)
+    run.signal(signal.SIGINT)
+    run.wait_for(lambda: "SIGINT during the run: stopping" in run.out, "the first Ctrl-C's line")
+    run.signal(signal.SIGINT)
+    assert run.finish() == 130, run.out[-3000:]
+    assert not (run.run_dir / "FAILED").exists() and "not trained (kept in the log: a resume trains them)" in run.out
+    assert "a second SIGINT skipped them; `launch.py resume" in (run.run_dir / "INTERRUPTED").read_text()
+    assert run.leftover() == []
+
+    second = Run(run.run_dir, None)
+    second.wait_for(lambda: len(_session(second.records(), 1)) and any(
+        r.get("event") == "step" and r["step"] >= 2 for r in _session(second.records(), 1)), "2 resumed steps")
+    assert "[resume] gpt2: from the warm start (no checkpoint yet)" in second.out
+    second.track()
+    os.kill(second.proc.pid, signal.SIGKILL)
+    second.finish()
+    assert second.leftover() == [], "a killed launcher left processes behind"
+
+    third = Run(run.run_dir, None, report=True)
+    _check_resumed(third)
+
+
+@pytest.mark.slow
 def test_a_dead_last_learner_restarts_from_its_checkpoint_inside_the_run(tmp_path, engine_cache):
     run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}", "run.checkpoint_every=2")
     run.wait_for(lambda: any("checkpoint" in r for r in run.steps("llama")) and len(run.steps("llama")) >= 3,

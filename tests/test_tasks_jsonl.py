@@ -126,3 +126,35 @@ def test_the_parent_deadline_kills_a_check_that_outlives_it() -> None:
     assert not child.is_alive() and verifier._proc is None
     assert verifier.check("$4$", "$5$") is False
     verifier.close()
+
+
+ACCEPTED = ["2", " 2", "The answer is 2.", "1 + 1 = 2", "\\boxed{2}", "So it is \\boxed{2}.", "Answer: 2",
+            "answer: 2.", "**2**", "x = 2$", "Half of four is 2!"]
+REFUSED = [
+    " 2цу04))\r", "2 apples))",  # trailing junk
+    "2abc99", "2abc", "abc2",  # digits glued to letters
+    "\\boxed{2} or \\boxed{3}", "Answer: 2\nAnswer: 3", "2, 3",  # several candidate answers
+    "２", "٢", "2️⃣",  # unicode digits
+    "12", "20", "2.5", "The answer is 123",  # the answer inside a longer number
+    "", "no idea", "\\boxed{2",
+]
+
+
+def test_the_default_answer_check_is_strict_on_adversarial_completions(tmp_path: Path) -> None:
+    """Real training samples math-verify paid for (" 2цу04))\\r" for the answer 2) and a table of their kind: the
+    strict check reads one answer where an answer stands; math_verify (the option) is shown paying for them."""
+    data = _write(tmp_path / "d.jsonl", ['{"prompt": "1 + 1?", "answer": "2"}', '{"prompt": "Big?", "answer": "1234"}'])
+    strict = JsonlTask(JsonlConfig(path=str(data), eval_path=str(data)))
+    two, big = strict.eval_problem(0), strict.eval_problem(1)
+    assert [t for t in ACCEPTED if not strict.verify(two, t).verified] == []
+    assert [t for t in REFUSED if strict.verify(two, t).verified] == []
+    assert strict.verify(big, "It is 1,234.").verified and not strict.verify(big, "11234").verified
+    lenient = JsonlTask(JsonlConfig(path=str(data), eval_path=str(data), answer_check="math_verify"))
+    assert lenient.verify(two, " 2цу04))\r").verified and lenient.verify(two, "2abc99").verified
+
+
+def test_a_file_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": 4}\n'.encode())
+    task = JsonlTask(JsonlConfig(path=str(path), eval_path=str(path)))
+    assert [task.eval_problem(i).question for i in range(2)] == ["1 + 1?", "2 + 2?"]

@@ -25,11 +25,12 @@ def config_from_tree(tree: dict, origin: Origin, check_machine: bool = True, qui
     """Decode and validate a parsed config tree; ``check_machine=False`` skips what depends on this machine
     (checkpoint dirs, a CUDA device): an experiment's ``--dry-run`` plans runs for another machine."""
     _gym_shorthand(tree)
-    dropped = _switch_objective(tree, origin)
-    if dropped and not quiet:
-        kind = tree["objective"]["kind"]
-        print(f"note: --set objective.kind={kind}: ignoring {origin.file}'s objective {', '.join(dropped)} "
-              f"(not a {kind} setting)", file=sys.stderr)
+    for section, switch in (("objective", _switch_objective), ("task", _switch_task)):
+        dropped = switch(tree, origin)
+        if dropped and not quiet:
+            kind = tree[section]["kind"]
+            print(f"note: --set {section}.kind={kind}: ignoring {origin.file}'s {section} {', '.join(dropped)} "
+                  f"(not a {kind} setting)", file=sys.stderr)
     return validate(convert(tree, RunConfig, origin), origin, check_machine)
 
 
@@ -55,8 +56,25 @@ def _switch_objective(tree: dict, origin: Origin) -> list[str]:
         config_type, _ = get_objective(str(table.get("kind")))
     except KeyError:
         return []  # the decoder names the unknown kind
+    return _drop_foreign(table, "objective", config_type, origin)
+
+
+def _switch_task(tree: dict, origin: Origin) -> list[str]:
+    """``--set task.kind=jsonl`` on a file written for another task: as ``_switch_objective``, the file's fields
+    that the new kind lacks (arithmetic's ``min_digits``) are dropped and said."""
+    table = tree.get("task")
+    if not isinstance(table, dict) or origin.of("task.kind") == origin.file:
+        return []
+    from tasks.registry import registered_tasks
+
+    found = registered_tasks().get(str(table.get("kind")))
+    return [] if found is None else _drop_foreign(table, "task", found[0], origin)
+
+
+def _drop_foreign(table: dict, section: str, config_type: type, origin: Origin) -> list[str]:
+    """Removes the file's keys of ``table`` that ``config_type`` does not have; returns them."""
     known = {f.encode_name for f in msgspec.structs.fields(config_type)} | {"kind"}
-    dropped = [k for k in table if k not in known and origin.of(f"objective.{k}") == origin.file]
+    dropped = [k for k in table if k not in known and origin.of(f"{section}.{k}") == origin.file]
     for key in dropped:
         del table[key]
     return dropped

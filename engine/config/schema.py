@@ -48,7 +48,9 @@ class ModelConfig(ModelSpec, forbid_unknown_fields=True, frozen=True):
     lr: float | None = None  # per-model learning rate; None = train.lr
     generation: GenerationConfig = GenerationConfig()
     lora: LoraSpec | None = None  # train LoRA adapters on the frozen warm start instead of every weight (peft)
-    warmstart_steps: int | None = None  # per-model warm-start length; None = warmstart.steps
+    # per-model warm-start length; None = warmstart.steps for a model built from scratch, 0 for a checkpoint (set
+    # it to fine-tune a checkpoint on the task's worked solutions before RL)
+    warmstart_steps: int | None = None
 
 
 class RunSection(_Section):

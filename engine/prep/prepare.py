@@ -79,6 +79,15 @@ async def prepare_all(cfg: RunConfig, run_dir: Path, running: list[actors.Actor]
     return results
 
 
+def warm_start_steps(cfg: RunConfig, model_index: int) -> int:
+    """A model's warm-start length: its own ``warmstart_steps``, else ``warmstart.steps`` for a model built from
+    scratch and 0 for a loaded checkpoint (RL starts from the user's weights unless the config asks otherwise)."""
+    m = cfg.models[model_index]
+    if m.warmstart_steps is not None:
+        return m.warmstart_steps
+    return 0 if m.checkpoint is not None else cfg.warmstart.steps
+
+
 def _take(path: Path) -> str | None:
     """A file's text, the file removed; None where there is none."""
     if not path.exists():
@@ -102,7 +111,7 @@ def prepare_model(payload: bytes) -> int:
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
     task = make_task(cfg.task)
     warm_dir = Path(plan.cache_dir) / "warmstart"
-    ws = cfg.warmstart if m.warmstart_steps is None else msgspec.structs.replace(cfg.warmstart, steps=m.warmstart_steps)
+    ws = msgspec.structs.replace(cfg.warmstart, steps=warm_start_steps(cfg, plan.model_index))
     try:
         model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
                                           device=prep_device(cfg, plan.model_index))

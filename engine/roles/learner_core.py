@@ -75,7 +75,7 @@ class LearnerCore:
                        "staleness_dropped": 0}
         self.consumed: set[int] = set()  # prompts trained before this run was resumed
         self.resume = worker.resume.pop(model, None)  # a resumed run's checkpoint: taken once per worker
-        if self.resume is not None:  # every rank: the group's state_digest must agree before the first step
+        if self.resume:  # every rank: the group's state_digest must agree before the first step ("": warm start)
             self.consumed = checkpoint.restore(Path(self.resume), self.state, self.totals, worker.device)
         self.peers = [n for n in cfg.names if n != model]
         self.need = peer_need(cfg.objective.kind)
@@ -116,7 +116,7 @@ class LearnerCore:
         await asyncio.to_thread(self.writer.publish, self.state.version)
         replayed = await self._replay_log()
         self.metrics.write(event="resume", step=self.state.version, consumed=len(self.consumed),
-                           replayed=replayed, checkpoint=self.resume)
+                           replayed=replayed, checkpoint=self.resume or None)
 
     async def take_over(self, trained: list[int]) -> None:
         """This rank leads a group whose leader died with its inbox: the log gives back what was not trained."""
@@ -180,8 +180,8 @@ class LearnerCore:
             print(f"[{self.model_name}] peer {peer} is back: waiting for its groups again", file=sys.stderr, flush=True)
             self.metrics.write(event="peer_back", step=self.state.version, peer=peer)
         for peer, why in gone.items():
-            if peer in self.announced or peer not in self.peers:
-                continue
+            if peer in self.announced or peer not in self.peers or self.state.version >= self.cfg.train.steps:
+                continue  # (a model at its last step trains nothing more, solo or not)
             self.announced.add(peer)
             left = self.alive_peers()
             how = "solo" if not left else f"with {', '.join(left)} only"

@@ -23,7 +23,9 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     weights_root: str  # the run's weight channels on this machine (engine.weights.channel)
     warm_checkpoints: dict[str, str]  # model -> warm-start checkpoint
     warm_accuracy: dict[str, list[float]]  # model -> [accuracy, stderr] of the warm start on held-out problems
-    resume: dict[str, str] = {}  # model -> checkpoint a resumed run continues from (workers spawned at its start)
+    # model -> checkpoint a resumed run continues from (workers spawned at its start); "": from the warm start, the
+    # experience log replayed all the same (a run stopped before its first checkpoint)
+    resume: dict[str, str] = {}
     weights_hub: str = ""  # a cluster's weight hub: a leader publishes there, not in this machine's channel
     weights_board: str = ""  # pool.weights = "broadcast": the run's TCPStore (engine.weights.broadcast)
     curve: ClientKeys | None = None  # a cluster's CurveZMQ keys: for the plane, the exchange and the weight hub

@@ -61,6 +61,7 @@ class FailurePolicy:
         self.messages: list[str] = []  # why the run is FAILED
         self.fatal: str | None = None
         self.stop_now: str | None = None  # why the run stops cleanly now (a verifier raised), FAILED at its end
+        self.aborted: int | None = None  # a second Ctrl-C/SIGTERM: every process killed, no finals awaited
         self.reward_errors_said = False
         self.broker_restarts = 0
         self.learner_restarts: dict[str, int] = {}
@@ -108,6 +109,8 @@ class FailurePolicy:
         seen: set[str] = set()
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
+            if self.aborted:  # killed as asked: no death is news, no broker comes back
+                continue
             for name, actor in list(self.c.actors.items()):
                 if actor.alive or name in seen:
                     continue

@@ -23,7 +23,9 @@ from exchange.log import ExperienceLogReader
 
 
 def resume_plan(coord) -> dict[str, str]:
-    """Set up ``coord`` (a Coordinator) to continue its run; returns model -> checkpoint to start from."""
+    """Set up ``coord`` (a Coordinator) to continue its run; returns model -> checkpoint to start from, "" for a
+    model stopped before its first checkpoint (it starts from the warm start, and its learner replays the log
+    all the same)."""
     cfg, run_dir, dispatch = coord.cfg, coord.run_dir, coord.dispatch
     counts: collections.Counter[tuple[str, int]] = collections.Counter()
     log_dir = run_dir / "experience_log"
@@ -38,7 +40,7 @@ def resume_plan(coord) -> dict[str, str]:
         if path is not None:
             state = checkpoint.read_state(path)
             step, consumed = state["step"], set(state["consumed"])
-            start[m] = str(path)
+        start[m] = str(path) if path is not None else ""
         logged = {p: n for (model, p), n in counts.items() if model == m}
         owed = dispatch.resume(m, step, consumed, logged)
         coord.trained[m].update(consumed)
@@ -46,7 +48,7 @@ def resume_plan(coord) -> dict[str, str]:
         where = f"step {step} ({path})" if path is not None else "the warm start (no checkpoint yet)"
         print(f"[resume] {m}: from {where}; {replay} logged samples to replay, {len(owed)} prompts to generate "
               "again", file=sys.stderr, flush=True)
-        metrics.write(event="resume", gen_model=m, step=step, checkpoint=start.get(m), replay_samples=replay,
+        metrics.write(event="resume", gen_model=m, step=step, checkpoint=start[m] or None, replay_samples=replay,
                       regenerate_prompts=len(owed))
     said = coord.allocator.recall()
     print(f"[resume] {said}", file=sys.stderr, flush=True)

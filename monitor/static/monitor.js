@@ -66,7 +66,7 @@ function drawModels(s) {
   chart($("chart-length"), models.map((m) => ({label: m, color: color(models, m),
     points: s.models[m].length.map((p) => [p[0] - t0, p[1]])})), {xlabel: "seconds"});
   bars($("chart-staleness"), models, Object.fromEntries(models.map((m) => [m, s.models[m].staleness])));
-  $("throughput").innerHTML = "<tr><th>model</th><th>step</th><th>samples/s</th><th>tokens/s</th><th>samples</th>" +
+  $("throughput").innerHTML = "<tr><th>model</th><th>step</th><th>samples/s</th><th>tokens/s</th><th>samples generated</th>" +
     "<th>mean staleness</th><th>held-out acc (warm → final)</th></tr>" + models.map((m) => { const v = s.models[m];
     return `<tr><td style="color:${color(models, m)}">${esc(m)}</td><td>${v.step}</td><td>${fmt(v.samples_per_s, 1)}</td>` +
       `<td>${fmt(v.tokens_per_s, 0)}</td><td>${v.samples}</td><td>${fmt(v.staleness_mean, 2)}</td>` +
