@@ -20,7 +20,8 @@ held-out accuracy before and after with standard errors, and the mean training r
 the ``[compare]`` extra (``pip install -c constraints.txt -e '.[compare]'``).
 
     python -m benchmarks.trl_compare [--config configs/smollm2.toml] [--minutes 15 | --steps 50] [--seed 0]
-                                     [--set KEY=VALUE ...] [--only project|trl] [--out results/trl_compare/NAME.json]
+                                     [--set KEY=VALUE ...] [--only project|trl] [--model NAME]
+                                     [--out results/trl_compare/NAME.json]
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ def missing_trl() -> str | None:
     return None
 
 
-def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None, overrides: list[str] = ()) -> dict:
-    """The config's first model alone under solo GRPO, with the budget asked for, no live evals (TRL has none)."""
+def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None, overrides: list[str] = (),
+              model: str | None = None) -> dict:
+    """The config's first model (or ``model``) alone under solo GRPO, with the budget asked for, no live evals
+    (TRL has none)."""
+    from engine.config import ConfigError
     from engine.config.load import apply_override, parse_override
 
     tree = tomllib.loads(config.read_text())
     for text in overrides:
         apply_override(tree, *parse_override(text), text)
-    tree["models"] = tree["models"][:1]
+    names = [m.get("name") for m in tree["models"]]
+    if model is not None and model not in names:
+        raise ConfigError(f"--model {model}: {config} has no such model (it has {', '.join(map(str, names))})")
+    tree["models"] = [tree["models"][names.index(model) if model is not None else 0]]
     objective = {k: v for k, v in tree.get("objective", {}).items() if k in ("kl_coef",)}
     tree["objective"] = {"kind": "grpo", **objective}
     run, train, ev = tree.setdefault("run", {}), tree.setdefault("train", {}), tree.setdefault("eval", {})
@@ -263,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--steps", type=int, help="equal optimizer steps instead of equal time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("project", "trl"), help="run one side only")
+    ap.add_argument("--model", help="the config's model to train (default: its first); TRL's side needs one "
+                                    "with a checkpoint")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     ap.add_argument("--out", type=Path, help="also write the JSON here (results/trl_compare/NAME.json)")
     ap.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
@@ -278,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl_compare: no config file {args.config}", file=sys.stderr)
         return 2
     try:
-        tree = solo_tree(args.config, args.seed, args.minutes, args.steps, args.set)
+        tree = solo_tree(args.config, args.seed, args.minutes, args.steps, args.set, args.model)
+        if args.only != "project" and "checkpoint" not in tree["models"][0]:
+            raise ConfigError(f"--model {tree['models'][0]['name']}: built from scratch (its warm start is this "
+                              "project's), so TRL has no weights to start it from; add --only project")
     except ConfigError as exc:
         print(f"trl_compare: {exc}", file=sys.stderr)
         return 2

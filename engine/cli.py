@@ -32,7 +32,7 @@ def open_run(args: argparse.Namespace):
 
     try:
         cfg = load_run_config(args.config, args.overrides)
-        _start_actor_server()  # a config refused above costs no second interpreter; the pre-flight forks it
+        start_actor_server()  # a config refused above costs no second interpreter; the pre-flight forks it
         preflight(cfg, forked=True)
         run_dir = make_run_dir(args.run_dir)
     except (ConfigError, FileExistsError, OSError) as exc:
@@ -130,7 +130,7 @@ def run_command(args: argparse.Namespace) -> int:
     opened = open_run(args)
     if opened is None:
         refuse_nodes(node)
-        _stop_actor_server()
+        stop_actor_server()
         return 2
     cfg, run_dir = opened
     return train(cfg, run_dir, node=node)
@@ -153,7 +153,7 @@ def serve_node(node) -> int:
     from engine.runtime import node_agent
     from engine.runtime.cluster import NODE_WAIT_S, ClusterError, share_plan
 
-    _start_actor_server()
+    start_actor_server()
     print(f"[node{node.rank}] waiting for node 0 at {node.master_addr} (up to {NODE_WAIT_S:.0f}s)", flush=True)
     try:
         plan = share_plan(node, None, NODE_WAIT_S)
@@ -175,7 +175,7 @@ def refuse_nodes(node) -> None:
             pass
 
 
-def _start_actor_server() -> None:
+def start_actor_server() -> None:
     """The actors' fork server: it loads torch and transformers, this process never does (the pre-flight's
     tokenizers load in a fork of it: ``preflight``)."""
     from engine.runtime import actors
@@ -183,28 +183,39 @@ def _start_actor_server() -> None:
     actors.start_server()
 
 
-def _stop_actor_server() -> None:
+def stop_actor_server() -> None:
     from engine.runtime import actors
 
     actors.stop_server()
 
 
-def train(cfg, run_dir, resume: bool = False, node=None) -> int:
-    """The run, with its W&B logger beside it when ``run.wandb`` is on (``monitor.wandb_sink``), then its report."""
+def train(cfg, run_dir, resume: bool = False, node=None, quiet: bool = False, started=None) -> int:
+    """The run, with its W&B logger beside it when ``run.wandb`` is on (``monitor.wandb_sink``), then its report.
+    ``started(loop, coordinator)`` is called on the run's loop before it begins (``mutual_rl`` forwards a
+    notebook's interrupt through it)."""
     import uvloop
 
     from engine.coordinator import Coordinator
     from monitor import wandb_sink
 
     sink = wandb_sink.start(run_dir, cfg.run.wandb)
+    coordinator = Coordinator(cfg, run_dir, resume=resume, node=node, quiet=quiet)
     try:
-        code = uvloop.run(Coordinator(cfg, run_dir, resume=resume, node=node).run())
+        code = uvloop.run(_begun(coordinator, started))
     finally:
         # every actor has stopped: the fork server has no more work, and its own exit (a second of unloading
         # torch) would hold the terminal's pipes open after ours
-        _stop_actor_server()
+        stop_actor_server()
         wandb_sink.finish(sink)
     return finish_with_report(code, run_dir, cfg.run.report)
+
+
+async def _begun(coordinator, started) -> int:
+    if started is not None:
+        import asyncio
+
+        started(asyncio.get_running_loop(), coordinator)
+    return await coordinator.run()
 
 
 def finish_with_report(code: int, run_dir, report: bool) -> int:
@@ -236,41 +247,48 @@ def resume_command(args: argparse.Namespace) -> int:
     if node is not None and node.rank > 0:
         return serve_node(node)
     run_dir = Path(args.run_dir)
-    if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
-        print(f"error: {run_dir}: not a run directory (no config.toml)", file=sys.stderr)
+    prepared = prepare_resume(run_dir, args.overrides)
+    if isinstance(prepared, str):
+        print(f"error: {prepared}", file=sys.stderr)
         return 2
-    _start_actor_server()
+    return train(prepared, run_dir, resume=True, node=node)
+
+
+def prepare_resume(run_dir, overrides: list[str]):
+    """The stopped run's config with the allowed changes, its markers turned into a ``resumed`` record: ready to
+    train again. A run that cannot resume is the one line that says why (a str), nothing changed."""
+    if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
+        return f"{run_dir}: not a run directory (no config.toml)"
+    start_actor_server()
     from engine.config import ConfigError, load_run_config
     from engine.runtime.metrics import MetricsWriter
     from engine.runtime.rundir import write_resolved_config
     from engine.train import checkpoint
 
     try:
-        for o in args.overrides:
+        for o in overrides:
             key = o.split("=", 1)[0].strip()
             if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE):
                 raise ConfigError(f"--set {key}: a resumed run keeps what it trained with; only "
                                   f"{', '.join(RESUMABLE)} may change")
-        cfg = load_run_config(str(run_dir / "config.toml"), args.overrides)
+        cfg = load_run_config(str(run_dir / "config.toml"), overrides)
         preflight(cfg, forked=True)
     except (ConfigError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        _stop_actor_server()
-        return 2
+        stop_actor_server()
+        return str(exc)
     steps = {m: checkpoint.read_state(p)["step"] for m in cfg.names if (p := checkpoint.latest(run_dir, m))}
     if len(steps) == len(cfg.names) and min(steps.values()) >= cfg.train.steps:
-        print(f"error: {run_dir}: every model has its {cfg.train.steps} steps; nothing to resume", file=sys.stderr)
-        _stop_actor_server()
-        return 2
+        stop_actor_server()
+        return f"{run_dir}: every model has its {cfg.train.steps} steps; nothing to resume"
     before = {name.lower(): (run_dir / name).read_text().strip() for name in ("FAILED", "INTERRUPTED")
               if (run_dir / name).is_file()}
     MetricsWriter(run_dir, "engine").write(event="resumed", previous_end=before or "killed (no marker)")
     for name in ("FAILED", "INTERRUPTED", "run_result.json"):
         (run_dir / name).unlink(missing_ok=True)  # how it ended before is now the record above
-    if args.overrides:
+    if overrides:
         write_resolved_config(cfg, run_dir)  # a later resume continues with these values
     print(f"resuming {run_dir}", flush=True)
-    return train(cfg, run_dir, resume=True, node=node)
+    return cfg
 
 
 def cache_command(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,7 +41,7 @@ from engine.runtime.metrics import MetricsWriter
 from engine.runtime.nodes import start_cluster
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, RewardFailed, StepDone, UnitDone, WantWork, Work)
-from engine.runtime.rundir import write_json, write_pids
+from engine.runtime.rundir import make_sock_dir, write_json, write_pids
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import make_allocator
 from engine.schedule.dispatch import Dispatch
@@ -91,10 +91,10 @@ class Coordinator:
 
     # --- the whole run ---
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="mrl-"))
+        if threading.current_thread() is threading.main_thread():  # else its caller forwards them (mutual_rl)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, self.on_signal, sig)
+        self.sock_dir = make_sock_dir()
         result = None
         try:
             self.prep_actors: list[actors.Actor] = []
@@ -116,7 +116,7 @@ class Coordinator:
             await shutdown(self)
         return report(self, result)
 
-    def _on_signal(self, sig: int) -> None:
+    def on_signal(self, sig: int) -> None:
         if self.interrupted is not None:  # a second Ctrl-C: stop waiting for checkpoints and evaluations
             self.failures.aborted = sig  # the user's choice, not a failure: INTERRUPTED, and resumable
             for a in [*self.actors.values(), *getattr(self, "prep_actors", [])]:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -150,9 +151,13 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(t
         r.get("event") == "step" and r["step"] >= 2 for r in _session(second.records(), 1)), "2 resumed steps")
     assert "[resume] gpt2: from the warm start (no checkpoint yet)" in second.out
     second.track()
+    sockets = [d for d in glob.glob(f"{tempfile.gettempdir()}/mrl-*")
+               if Path(d, "owner.pid").is_file() and Path(d, "owner.pid").read_text() == str(second.proc.pid)]
+    assert len(sockets) == 1  # its ipc sockets' folder, which only its launcher removes in a run that ends
     os.kill(second.proc.pid, signal.SIGKILL)
     second.finish()
     assert second.leftover() == [], "a killed launcher left processes behind"
+    assert not os.path.exists(sockets[0]), "a killed launcher's socket folder was left behind"
 
     third = Run(run.run_dir, None, report=True)
     _check_resumed(third)

@@ -25,6 +25,8 @@ def test_both_sides_train_the_configs_first_model_alone_with_one_budget():
     stepped = solo_tree(SMOLLM2, seed=0, minutes=None, steps=27, overrides=["models.0.lr=2e-5", "eval.num_problems=50"])
     assert stepped["train"]["steps"] == 27 and stepped["run"]["max_minutes"] >= 24 * 60  # steps, not the clock
     assert stepped["models"][0]["lr"] == 2e-5 and stepped["eval"]["num_problems"] == 50
+    peer = solo_tree(SMOLLM2, seed=0, minutes=None, steps=400, overrides=["train.lr=3e-4"], model="llama")
+    assert [m["name"] for m in peer["models"]] == ["llama"] and peer["train"]["lr"] == 3e-4  # the small peer alone
 
 
 def test_a_bad_override_is_one_line():

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
+from pathlib import Path
 
 _CTX = mp.get_context("forkserver")
 # What every actor imports: loaded once, in the fork server (an import that fails there is only skipped).
@@ -82,11 +83,23 @@ def _show_name() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # 15: PR_SET_NAME (Linux)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, launcher_pid: int | None) -> None:
     while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(3)  # the coordinator died (and with it the fork server, our parent): leave at once
+        time.sleep(0.2)
+        if os.getppid() != parent_pid:  # the launcher died (and with it the fork server, our parent): leave at
+            if launcher_pid is not None:  # once, with its socket folders (nobody else is left to remove them)
+                from engine.runtime.rundir import remove_sock_dirs
+
+                remove_sock_dirs(launcher_pid)
+            os._exit(3)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux /proc), or None where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _drain_zmq(timeout_s: float) -> None:
@@ -121,7 +134,8 @@ def actor_main(entry: str, payload: bytes, threads: int) -> None:
     import uvloop
 
     torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    server = os.getppid()  # the fork server, whose parent is the launcher
+    threading.Thread(target=_watch_parent, args=(server, _parent_of(server)), daemon=True).start()
     module_name, func_name = entry.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,3 +91,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+SOCK_DIR_PREFIX = "mrl-"  # a run's ipc sockets: tempdir/mrl-XXXX, with owner.pid naming its launcher
+
+
+def make_sock_dir() -> Path:
+    """A fresh folder for this launcher's ipc sockets, its owner.pid naming this process: its actors remove it
+    if the launcher dies without doing so (``remove_sock_dirs``)."""
+    path = Path(tempfile.mkdtemp(prefix=SOCK_DIR_PREFIX))
+    (path / "owner.pid").write_text(str(os.getpid()))
+    return path
+
+
+def remove_sock_dirs(owner: int) -> None:
+    """Removes the socket folders of launcher ``owner`` (an actor's last act when its launcher was killed)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{SOCK_DIR_PREFIX}*"):
+        try:
+            mine = (path / "owner.pid").read_text().strip() == str(owner)
+        except OSError:
+            continue
+        if mine:
+            shutil.rmtree(path, ignore_errors=True)

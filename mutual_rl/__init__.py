@@ -1,0 +1,15 @@
+"""Mutual RL from Python: several heterogeneous language models post-trained with RL together, sharing experience.
+
+    from mutual_rl import Trainer
+
+    result = Trainer("configs/smoke.toml", train={"steps": 20}).train()
+    print(result.status, result.models["gpt2"].accuracy_after, result.run_dir)
+
+``Trainer`` takes what ``launch.py run`` takes (a config, with sections changed by keyword); ``resume(run_dir)``
+continues a run as ``launch.py resume`` does. docs/guides/python-api.md has the whole surface.
+"""
+
+from engine.config import ConfigError, RunConfig
+from mutual_rl.trainer import ModelResult, Trainer, TrainResult, resume
+
+__all__ = ["ConfigError", "ModelResult", "RunConfig", "TrainResult", "Trainer", "resume"]

@@ -1,0 +1,263 @@
+"""``Trainer``: one run (every model of a config, trained together) from Python, as ``launch.py run`` does it.
+
+The config comes from a TOML file, a dict shaped like one, or a ``RunConfig``, and keyword arguments name whole
+sections to change (``train={"steps": 20}``), checked as the file is, each error one line naming the argument.
+``train()`` runs the warm starts, the RL phase, the final evaluations and the report in this process's
+children, and returns a ``TrainResult``. From a script it runs on this thread; inside a running event loop (a
+notebook) on a thread of its own, while this one waits: Ctrl-C (a notebook's interrupt) stops the run as in a
+terminal, with checkpoints and final evaluations, and ``train()`` returns what was trained. Callbacks see each
+learner step, each evaluation and the end, read from the run's ``metrics.jsonl`` as it is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+
+from engine.config import ConfigError, RunConfig, config_from_tree
+from engine.config.load import Origin, read_toml
+
+Callback = Callable[[dict], None]
+FOLLOW_EVERY_S = 0.2
+
+
+class ModelResult(msgspec.Struct, frozen=True):
+    """One model's run: held-out accuracy before RL (after its warm start) and after, each with its standard
+    error over ``eval_n`` problems; the steps and own samples it trained."""
+
+    accuracy_before: float | None
+    stderr_before: float | None
+    accuracy_after: float | None
+    stderr_after: float | None
+    eval_n: int | None
+    steps: int
+    samples: int
+
+
+class TrainResult(msgspec.Struct, frozen=True):
+    """How the run ended (``status``: "finished", "interrupted" or "failed", ``error`` saying why it failed), its
+    exit code as ``launch.py`` gives it, each model's figures, and where it wrote."""
+
+    status: str
+    exit_code: int
+    models: dict[str, ModelResult]
+    run_dir: Path
+    report: Path | None
+    error: str | None = None
+
+
+class ApiOrigin(Origin):
+    """Where a key came from, said in the caller's words: ``Trainer(train=...)`` or the config file."""
+
+    def of(self, key: str) -> str:
+        said = super().of(key)
+        return said.replace("--set ", "Trainer(", 1) + ")" if said.startswith("--set ") else said
+
+
+class Trainer:
+    """Trains the models of a config together: ``Trainer("configs/smoke.toml", train={"steps": 20}).train()``.
+
+    ``config``: a TOML path, a dict of sections, or a ``RunConfig``; ``run_dir``: where the run writes (default
+    runs/<timestamp>); ``callbacks``: functions called with each ``metrics.jsonl`` record of a learner step
+    (``event`` "step", with ``accuracy`` when it was evaluated), of a final evaluation ("final") and, last, with
+    ``{"event": "end", "result": TrainResult}``; ``quiet``: no live display; ``sections``: whole config sections,
+    merged into the config's (a dict into a table, anything else replacing it)."""
+
+    def __init__(self, config: str | Path | dict | RunConfig | None = None, *, run_dir: str | Path | None = None,
+                 callbacks: list[Callback] = (), quiet: bool = False, **sections: Any) -> None:
+        self.config = make_config(config, sections)
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.callbacks, self.quiet = list(callbacks), quiet
+
+    def train(self) -> TrainResult:
+        """The whole run: warm starts, RL, final evaluations, the report. A config the machine refuses (a
+        tokenizer that does not load, a run directory that exists) is one ConfigError before anything runs."""
+        from engine import cli
+        from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
+
+        cli.start_actor_server()
+        try:
+            cli.preflight(self.config, forked=True)
+            run_dir = make_run_dir(None if self.run_dir is None else str(self.run_dir))
+        except (ConfigError, FileExistsError, OSError) as exc:
+            cli.stop_actor_server()
+            raise ConfigError(str(exc)) from None
+        write_resolved_config(self.config, run_dir)
+        print(announce(self.config, run_dir), flush=True)
+        return run_in_place(self.config, run_dir, False, self.callbacks, self.quiet)
+
+
+def resume(run_dir: str | Path, *, callbacks: list[Callback] = (), quiet: bool = False, **changes: Any) -> TrainResult:
+    """Continue a stopped, failed or killed run, as ``launch.py resume``; ``changes`` are dotted keys of what
+    may change (``**{"train.steps": 800}``)."""
+    from engine import cli
+
+    prepared = cli.prepare_resume(Path(run_dir), [f"{k}={_toml(v)}" for k, v in changes.items()])
+    if isinstance(prepared, str):
+        raise ConfigError(prepared)
+    return run_in_place(prepared, Path(run_dir), True, list(callbacks), quiet)
+
+
+def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from what ``Trainer`` was given; any problem is one ConfigError."""
+    if isinstance(config, RunConfig):
+        tree, where = msgspec.to_builtins(config), "the RunConfig given"
+    elif isinstance(config, dict):
+        tree, where = copy.deepcopy(config), "the config dict given"
+    elif config is None:
+        tree, where = {}, "Trainer()"
+    else:
+        tree, where = read_toml(config), str(config)
+    applied = []
+    for key, value in sections.items():
+        if isinstance(value, msgspec.Struct):
+            value = msgspec.to_builtins(value)
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            tree[key] = {**tree[key], **copy.deepcopy(value)}
+        else:
+            tree[key] = copy.deepcopy(value)
+        applied.append(([key], f"{key}={value!r}"))
+    return config_from_tree(tree, ApiOrigin(where, applied))
+
+
+def run_in_place(cfg: RunConfig, run_dir: Path, resuming: bool, callbacks: list[Callback], quiet: bool) -> TrainResult:
+    """The run on this thread, or, inside a running event loop, on its own thread while this one waits."""
+    follower = MetricsFollower(run_dir, callbacks) if callbacks else None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        code = _run(cfg, run_dir, resuming, quiet, None)
+    else:
+        code = _run_beside_the_loop(cfg, run_dir, resuming, quiet)
+    if follower is not None:
+        follower.stop()
+    result = read_result(run_dir, code)
+    for callback in callbacks:
+        call_back(callback, {"event": "end", "result": result})
+    return result
+
+
+def _run(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool, started: Callable | None) -> int:
+    from engine import cli
+
+    return cli.train(cfg, run_dir, resume=resuming, quiet=quiet, started=started)
+
+
+def _run_beside_the_loop(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool) -> int:
+    """A notebook's loop owns this thread: the run gets its own, and a KeyboardInterrupt here (the kernel's
+    interrupt) reaches the coordinator as the SIGINT a terminal would send it."""
+    held: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def started(loop, coordinator) -> None:
+        held.update(loop=loop, coordinator=coordinator)
+        ready.set()
+
+    def body() -> None:
+        try:
+            held["code"] = _run(cfg, run_dir, resuming, quiet, started)
+        except BaseException as exc:  # given back to the caller's thread below
+            held["error"] = exc
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=body, name="mutual-rl-run", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        try:
+            thread.join(0.2)
+        except KeyboardInterrupt:
+            ready.wait()
+            if "coordinator" in held:
+                held["loop"].call_soon_threadsafe(held["coordinator"].on_signal, signal.SIGINT)
+    if "error" in held:
+        raise held["error"]
+    return held["code"]
+
+
+class MetricsFollower:
+    """Calls ``callbacks`` with each step and final record of ``run_dir/metrics.jsonl`` as it is written."""
+
+    def __init__(self, run_dir: Path, callbacks: list[Callback]) -> None:
+        self.path, self.callbacks = run_dir / "metrics.jsonl", callbacks
+        self.offset, self.done = self.path.stat().st_size if self.path.exists() else 0, threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="mutual-rl-callbacks", daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        while not self.done.is_set():
+            self._read()
+            self.done.wait(FOLLOW_EVERY_S)
+        self._read()
+
+    def _read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            record = json.loads(line)
+            if record.get("event") in ("step", "final"):
+                for callback in self.callbacks:
+                    call_back(callback, record)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def call_back(callback: Callback, record: dict) -> None:
+    """A user's callback, whose exception is one line and never stops the run or the other callbacks."""
+    try:
+        callback(record)
+    except Exception as exc:
+        name = getattr(callback, "__qualname__", repr(callback))
+        print(f"mutual_rl: callback {name} raised {type(exc).__name__}: {exc} (on a {record.get('event')} record; "
+              "ignored)", file=sys.stderr, flush=True)
+
+
+def read_result(run_dir: Path, code: int) -> TrainResult:
+    """The run's figures from its run directory, as the run left them."""
+    finals: dict[str, dict] = {}
+    starts: dict[str, dict] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        if record.get("event") == "final":
+            finals[record["model"]] = record
+        elif record.get("event") == "start" and "model" in record:
+            starts.setdefault(record["model"], record)
+    models = {}
+    for name in sorted(set(finals) | set(starts)):
+        final, start = finals.get(name, {}), starts.get(name, {})
+        models[name] = ModelResult(
+            accuracy_before=start.get("warm_accuracy"), stderr_before=start.get("warm_accuracy_stderr"),
+            accuracy_after=final.get("accuracy"), stderr_after=final.get("accuracy_stderr"),
+            eval_n=final.get("eval_n"), steps=int(final.get("step", 0)), samples=int(final.get("own_experiences", 0)))
+    failed = run_dir / "FAILED"
+    status = "failed" if failed.exists() else "interrupted" if (run_dir / "INTERRUPTED").exists() else "finished"
+    report = run_dir / "report.md"
+    return TrainResult(status=status, exit_code=code, models=models, run_dir=run_dir,
+                       report=report if report.exists() else None,
+                       error=failed.read_text().strip() if failed.exists() else None)
+
+
+def _toml(value: Any) -> str:
+    """A value as the TOML literal ``--set`` reads."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
