@@ -152,32 +152,44 @@ def _run(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool, started: Ca
 
 
 def _run_beside_the_loop(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool) -> int:
-    """A notebook's loop owns this thread: the run gets its own, and a KeyboardInterrupt here (the kernel's
-    interrupt) reaches the coordinator as the SIGINT a terminal would send it."""
-    held: dict[str, Any] = {}
-    ready = threading.Event()
+    """A notebook's loop owns this thread: the run gets its own, and a SIGINT meanwhile (the kernel's interrupt)
+    reaches the coordinator as it would from a terminal, through a handler of ours while the run lasts (the
+    loop's own would only cancel a task that cannot yield)."""
+    held: dict[str, Any] = {"signals": []}
+    lock = threading.Lock()
+
+    def deliver(sig: int) -> None:
+        with lock:
+            if "coordinator" in held:
+                held["loop"].call_soon_threadsafe(held["coordinator"].on_signal, sig)
+            else:  # the run is still starting: it gets the signal as soon as it can take it
+                held["signals"].append(sig)
 
     def started(loop, coordinator) -> None:
-        held.update(loop=loop, coordinator=coordinator)
-        ready.set()
+        with lock:
+            held.update(loop=loop, coordinator=coordinator)
+            for sig in held["signals"]:
+                loop.call_soon(coordinator.on_signal, sig)
 
     def body() -> None:
         try:
             held["code"] = _run(cfg, run_dir, resuming, quiet, started)
         except BaseException as exc:  # given back to the caller's thread below
             held["error"] = exc
-        finally:
-            ready.set()
 
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda sig, _: deliver(sig)) if main else None
     thread = threading.Thread(target=body, name="mutual-rl-run", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        try:
-            thread.join(0.2)
-        except KeyboardInterrupt:
-            ready.wait()
-            if "coordinator" in held:
-                held["loop"].call_soon_threadsafe(held["coordinator"].on_signal, signal.SIGINT)
+    try:
+        thread.start()
+        while thread.is_alive():
+            try:
+                thread.join(0.2)
+            except KeyboardInterrupt:  # raised by a handler that was not ours (an embedding application's)
+                deliver(signal.SIGINT)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
     if "error" in held:
         raise held["error"]
     return held["code"]
@@ -229,6 +241,7 @@ def call_back(callback: Callback, record: dict) -> None:
 
 def read_result(run_dir: Path, code: int) -> TrainResult:
     """The run's figures from its run directory, as the run left them."""
+    run_dir = run_dir.resolve()
     finals: dict[str, dict] = {}
     starts: dict[str, dict] = {}
     path = run_dir / "metrics.jsonl"

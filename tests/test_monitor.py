@@ -48,6 +48,7 @@ def test_aggregates_every_model_edge_and_worker(tmp_path):
     assert snap["workers"]["w1"][-1][1:] == ["generator", "gpt2", "learner:llama starved: busy 16%"]
     assert snap["moves"][0]["reason"].startswith("learner:llama starved")
     assert snap["shown"] == 1.0 and snap["missed"] == 0 and snap["ended"]
+    assert "generated 24 samples" in state.text()  # generated, not trained: the summary counts those
 
 
 def test_series_stay_bounded(tmp_path):

@@ -45,14 +45,34 @@ def start_server() -> None:
     survives fork and exec): a Ctrl-C or a scheduler's SIGTERM to the process group is the
     coordinator's to handle, and a server killed by one would take every actor with it."""
     if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
+        with _main_left_out():
+            forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
     try:  # a stop signal in these few milliseconds is dropped: the server is started once per process
-        forkserver.ensure_running()
+        with _main_left_out():
+            forkserver.ensure_running()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _main_left_out():
+    """Processes started meanwhile do not run the caller's script again: multiprocessing re-imports ``__main__``
+    in every child (by its file or module name), so a user's script without an ``if __name__ == "__main__":``
+    guard would start a second run inside the fork server and every actor. Actors need nothing from it: they
+    run "module:function" entries."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
 
 
 def stop_server() -> None:
@@ -180,7 +200,8 @@ class Actor:
 def spawn(name: str, entry: str, payload: bytes, threads: int = 1) -> Actor:
     proc = _CTX.Process(target=actor_main, args=(entry, payload, threads), name=name, daemon=False)
     start_server()
-    proc.start()
+    with _main_left_out():
+        proc.start()
     return Actor(name=name, process=proc)
 
 
@@ -189,7 +210,7 @@ def call_forked(func, *args):
     For work that needs torch or transformers on behalf of a process that never imports them (the
     launcher's pre-flight); ``func`` and its arguments must pickle."""
     start_server()
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=_CTX) as pool:
+    with _main_left_out(), concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=_CTX) as pool:
         return pool.submit(func, *args).result()
 
 
