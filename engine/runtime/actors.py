@@ -106,12 +106,22 @@ def _show_name() -> None:
 def _watch_parent(parent_pid: int, launcher_pid: int | None) -> None:
     while True:
         time.sleep(0.2)
-        if os.getppid() != parent_pid:  # the launcher died (and with it the fork server, our parent): leave at
-            if launcher_pid is not None:  # once, with its socket folders (nobody else is left to remove them)
+        # the launcher died: the fork server, our parent, follows it only after unloading torch (~2 s), so its
+        # death is watched too. Leave at once, with its socket folders (nobody else is left to remove them)
+        if os.getppid() != parent_pid or (launcher_pid is not None and not _running(launcher_pid)):
+            if launcher_pid is not None:
                 from engine.runtime.rundir import remove_sock_dirs
 
                 remove_sock_dirs(launcher_pid)
             os._exit(3)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed launcher stays one until its shell reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _parent_of(pid: int) -> int | None:
