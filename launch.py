@@ -24,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mutual RL: post-train heterogeneous language models together with shared experience.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from engine import cli as engine_cli
+    from mutual_rl import cli as training_cli
 
-    engine_cli.add_commands(sub)
+    training_cli.add_commands(sub)
     from exchange import cli as exchange_cli
 
     exchange_cli.add_commands(sub)

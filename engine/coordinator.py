@@ -1,6 +1,6 @@
 """The coordinator: one asyncio (uvloop) process that runs a whole job, every job.
 
-    launch.py run -> engine.cli -> Coordinator.run():
+    launch.py run -> mutual_rl.Trainer -> engine.session -> Coordinator.run():
         warm starts (cached; one process per model)
         broker (SEE hub) ── one process: experience, Stats, the experience log
         workers w0..wN-1 ── engine.roles.worker: one device each, one role each

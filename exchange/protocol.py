@@ -70,6 +70,7 @@ class Experience(_Message, tag="exp"):
     finish_reason: Literal["stop", "length"]
     created_at: float  # unix seconds, when the prompt batch reached the generator
     generated_at: float  # unix seconds, when sampling finished
+    reward_parts: list[float] = []  # each reward function's reward (NaN: it abstained), with [reward] funcs set
 
     @property
     def completion_array(self) -> np.ndarray:

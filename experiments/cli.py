@@ -82,7 +82,7 @@ def _stop_on_signals() -> None:
 
 def _preflight(runs) -> None:
     """Tokenizers and tasks of every distinct cell load, before an hour of runs starts."""
-    from engine.cli import preflight
+    from engine.session import preflight
 
     seen = set()
     for r in runs:

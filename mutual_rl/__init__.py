@@ -5,8 +5,11 @@
     result = Trainer("configs/smoke.toml", train={"steps": 20}).train()
     print(result.status, result.models["gpt2"].accuracy_after, result.run_dir)
 
-``Trainer`` takes what ``launch.py run`` takes (a config, with sections changed by keyword); ``resume(run_dir)``
-continues a run as ``launch.py resume`` does. docs/guides/python-api.md has the whole surface.
+``Trainer`` takes what ``launch.py run`` takes (a config, with sections changed by keyword), and what TRL's
+``GRPOTrainer`` takes: ``train_dataset=`` (a ``datasets.Dataset``, prompts as strings or chat turns) and
+``reward_funcs=`` (functions ``f(prompts, completions, **columns) -> list[float]``, from a script or a
+notebook cell, with ``reward_weights=``); ``launch.py run`` is a Trainer. ``resume(run_dir)`` continues a run
+as ``launch.py resume`` does. docs/guides/python-api.md has the whole surface.
 """
 
 from engine.config import ConfigError, RunConfig

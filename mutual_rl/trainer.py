@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import signal
 import sys
@@ -22,8 +23,10 @@ from typing import Any, Callable
 
 import msgspec
 
+from engine import session
 from engine.config import ConfigError, RunConfig, config_from_tree
 from engine.config.load import Origin, read_toml
+from mutual_rl.inputs import Inputs, remove_inputs, resolved
 
 Callback = Callable[[dict], None]
 FOLLOW_EVERY_S = 0.2
@@ -72,41 +75,60 @@ class Trainer:
     merged into the config's (a dict into a table, anything else replacing it)."""
 
     def __init__(self, config: str | Path | dict | RunConfig | None = None, *, run_dir: str | Path | None = None,
-                 callbacks: list[Callback] = (), quiet: bool = False, **sections: Any) -> None:
-        self.config = make_config(config, sections)
+                 callbacks: list[Callback] = (), quiet: bool = False, reward_funcs: Any = None,
+                 reward_weights: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 **sections: Any) -> None:
+        self.inputs = Inputs(reward_funcs, reward_weights, train_dataset, eval_dataset)
+        self.config = make_config(config, sections, self.inputs)
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.callbacks, self.quiet = list(callbacks), quiet
 
-    def train(self) -> TrainResult:
+    def train(self, *, node: Any = None) -> TrainResult:
         """The whole run: warm starts, RL, final evaluations, the report. A config the machine refuses (a
-        tokenizer that does not load, a run directory that exists) is one ConfigError before anything runs."""
-        from engine import cli
+        tokenizer that does not load, a run directory that exists) is one ConfigError before anything runs.
+        ``node``: node 0 of a torchrun cluster (``launch.py run`` passes it; ``engine.session.this_node``)."""
         from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
 
-        cli.start_actor_server()
+        session.start_actor_server()  # a config refused in __init__ cost no second interpreter
+        run_dir = None
         try:
-            cli.preflight(self.config, forked=True)
-            run_dir = make_run_dir(None if self.run_dir is None else str(self.run_dir))
+            if not self.inputs.any:  # refused before anything is written
+                session.preflight(self.config, forked=True)
+            run_dir = make_run_dir(None if self.run_dir is None else str(self.run_dir)).resolve()
+            cfg = self._with_inputs(run_dir)
+            if self.inputs.any:  # the inputs are read where the run will read them
+                session.preflight(cfg, forked=True)
         except (ConfigError, FileExistsError, OSError) as exc:
-            cli.stop_actor_server()
+            session.stop_actor_server()
+            if run_dir is not None:
+                remove_inputs(run_dir)  # nothing ran: the run directory is as it was
             raise ConfigError(str(exc)) from None
-        write_resolved_config(self.config, run_dir)
-        print(announce(self.config, run_dir), flush=True)
-        return run_in_place(self.config, run_dir, False, self.callbacks, self.quiet)
+        write_resolved_config(cfg, run_dir)
+        print(announce(cfg, run_dir), flush=True)
+        return run_in_place(cfg, run_dir, False, self.callbacks, self.quiet, node)
+
+    def _with_inputs(self, run_dir: Path) -> RunConfig:
+        """The config with its Python inputs written into ``run_dir`` and named there."""
+        if not self.inputs.any:
+            return self.config
+        self.inputs.write(run_dir)
+        tree = resolved(msgspec.to_builtins(self.config), run_dir)
+        return config_from_tree(tree, ApiOrigin("Trainer()", []), quiet=True)
 
 
-def resume(run_dir: str | Path, *, callbacks: list[Callback] = (), quiet: bool = False, **changes: Any) -> TrainResult:
+def resume(run_dir: str | Path, *, callbacks: list[Callback] = (), quiet: bool = False,
+           overrides: list[str] = (), node: Any = None, **changes: Any) -> TrainResult:
     """Continue a stopped, failed or killed run, as ``launch.py resume``; ``changes`` are dotted keys of what
-    may change (``**{"train.steps": 800}``)."""
-    from engine import cli
-
-    prepared = cli.prepare_resume(Path(run_dir), [f"{k}={_toml(v)}" for k, v in changes.items()])
+    may change (``**{"train.steps": 800}``), ``overrides`` the same as ``launch.py resume --set`` takes them."""
+    said = [*overrides, *(f"{k}={_toml(v)}" for k, v in changes.items())]
+    prepared = session.prepare_resume(Path(run_dir), said)
     if isinstance(prepared, str):
         raise ConfigError(prepared)
-    return run_in_place(prepared, Path(run_dir), True, list(callbacks), quiet)
+    return run_in_place(prepared, Path(run_dir), True, list(callbacks), quiet, node)
 
 
-def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str, Any]) -> RunConfig:
+def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str, Any],
+                inputs: Inputs | None = None) -> RunConfig:
     """A validated RunConfig from what ``Trainer`` was given; any problem is one ConfigError."""
     if isinstance(config, RunConfig):
         tree, where = msgspec.to_builtins(config), "the RunConfig given"
@@ -125,18 +147,22 @@ def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str
         else:
             tree[key] = copy.deepcopy(value)
         applied.append(([key], f"{key}={value!r}"))
+    if inputs is not None:
+        applied += inputs.apply(tree, sections)
     return config_from_tree(tree, ApiOrigin(where, applied))
 
 
-def run_in_place(cfg: RunConfig, run_dir: Path, resuming: bool, callbacks: list[Callback], quiet: bool) -> TrainResult:
+def run_in_place(cfg: RunConfig, run_dir: Path, resuming: bool, callbacks: list[Callback], quiet: bool,
+                 node: Any = None) -> TrainResult:
     """The run on this thread, or, inside a running event loop, on its own thread while this one waits."""
     follower = MetricsFollower(run_dir, callbacks) if callbacks else None
+    run = functools.partial(train_and_report, cfg, run_dir, resuming, node, quiet)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        code = _run(cfg, run_dir, resuming, quiet, None)
+        code = run()
     else:
-        code = _run_beside_the_loop(cfg, run_dir, resuming, quiet)
+        code = _run_beside_the_loop(run)
     if follower is not None:
         follower.stop()
     result = read_result(run_dir, code)
@@ -145,13 +171,31 @@ def run_in_place(cfg: RunConfig, run_dir: Path, resuming: bool, callbacks: list[
     return result
 
 
-def _run(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool, started: Callable | None) -> int:
-    from engine import cli
+def train_and_report(cfg: RunConfig, run_dir: Path, resuming: bool, node: Any, quiet: bool,
+                     started: Callable | None = None) -> int:
+    """The run (``engine.session.train``), with its W&B logger beside it when ``run.wandb`` is on
+    (``monitor.wandb_sink``), then its report: every run that trained at all ends with one unless ``run.report``
+    is off, and a report problem never changes the run's exit code."""
+    from engine.runtime.rundir import said_size
+    from monitor import wandb_sink
 
-    return cli.train(cfg, run_dir, resume=resuming, quiet=quiet, started=started)
+    sink = wandb_sink.start(run_dir, cfg.run.wandb)
+    try:
+        code = session.train(cfg, run_dir, resume=resuming, node=node, quiet=quiet, started=started)
+    finally:
+        wandb_sink.finish(sink)
+    if cfg.run.report:
+        from monitor.report import ReportError, write_report
+
+        try:
+            print(f"report: {write_report([run_dir])}", flush=True)
+        except ReportError:
+            pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
+    print(said_size(run_dir), flush=True)
+    return code
 
 
-def _run_beside_the_loop(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: bool) -> int:
+def _run_beside_the_loop(run: Callable[..., int]) -> int:
     """A notebook's loop owns this thread: the run gets its own, and a SIGINT meanwhile (the kernel's interrupt)
     reaches the coordinator as it would from a terminal, through a handler of ours while the run lasts (the
     loop's own would only cancel a task that cannot yield)."""
@@ -173,7 +217,7 @@ def _run_beside_the_loop(cfg: RunConfig, run_dir: Path, resuming: bool, quiet: b
 
     def body() -> None:
         try:
-            held["code"] = _run(cfg, run_dir, resuming, quiet, started)
+            held["code"] = run(started=started)
         except BaseException as exc:  # given back to the caller's thread below
             held["error"] = exc
 

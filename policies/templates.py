@@ -41,21 +41,31 @@ def format_prompt(arch: str, question: str) -> str:
     return template.format(question=question)
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str | None:
-    """The question as one user turn in the tokenizer's own chat template; None without one."""
+Prompt = str | list[dict[str, str]]  # a question, or chat turns ({"role", "content"}; a system prompt first)
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str | None:
+    """The prompt in the tokenizer's own chat template, ending with the generation prompt (a question is one
+    user turn); None without a template."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    messages = [{"role": "user", "content": question}]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, arch: str, question: str) -> list[int]:
+def plain_question(prompt: Prompt) -> str:
+    """Chat turns as one question for a family's plain template (a tokenizer without a chat template): each
+    turn's text, a blank line between them, the system prompt first."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, arch: str, prompt: Prompt) -> list[int]:
     """Token ids of the formatted prompt: chat template if any, else the family's (BOS where it uses one)."""
-    chat = chat_prompt(tokenizer, question)
+    chat = chat_prompt(tokenizer, prompt)
     if chat is not None:  # the template writes BOS itself where its family uses one
         return tokenizer.encode(chat, add_special_tokens=False)
     _, uses_bos = _template(arch)
-    ids = tokenizer.encode(format_prompt(arch, question), add_special_tokens=False)
+    ids = tokenizer.encode(format_prompt(arch, plain_question(prompt)), add_special_tokens=False)
     if uses_bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]
     return ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import traceback
-from typing import Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import msgspec
 
@@ -14,8 +14,17 @@ class Problem(msgspec.Struct, frozen=True):
 
     prompt_id: int  # global id: every model sees the same problem for the same id
     task: str  # name of the task that made it
-    question: str  # the bare question; each model wraps it in its own template
-    answer: str  # the reference answer (for countdown: the target number)
+    question: str  # the bare question (a chat prompt's last user turn); each model wraps it in its own template
+    answer: str  # the reference answer (for countdown: the target number); "" where reward functions judge alone
+    # a chat prompt ({"role", "content"} turns, a system prompt first where there is one), formatted by each
+    # model's chat template; None: the question alone is the prompt
+    messages: list[dict[str, str]] | None = None
+    columns: dict[str, Any] = {}  # the rest of a dataset row: reward functions get each as a keyword argument
+
+    @property
+    def prompt(self) -> str | list[dict[str, str]]:
+        """What a model is prompted with: the chat turns when there are some, else the question."""
+        return self.messages if self.messages is not None else self.question
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -24,6 +33,7 @@ class Verdict(msgspec.Struct, frozen=True):
     reward: float  # what RL maximises
     verified: bool  # the verifier confirmed the completion correct (a "success")
     timed_out: bool = False  # the verifier ran out of time (judged wrong; the engine counts these)
+    parts: tuple[float, ...] = ()  # each reward function's own reward (NaN: it abstained), with reward.funcs set
 
 
 class Task(Protocol):
@@ -47,6 +57,13 @@ class Task(Protocol):
     def worked_solution(self, problem: Problem) -> str:
         """A correct completion text for `problem` (the warm start's target)."""
         ...
+
+
+def task_identity(task: Task) -> object:
+    """What of a task decides its problems and verdicts, for cache keys (warm starts, their evaluations): its
+    config, or its own ``identity`` where the config names files (a dataset: their content counts, not where
+    they lie, so a notebook's run re-reads its warm start)."""
+    return getattr(task, "identity", None) or task.config
 
 
 class VerifierError(Exception):

@@ -70,7 +70,7 @@ class JsonlTask:
             f"(eval_fraction={config.eval_fraction:g}, by a hash of the prompt); set task.eval_path to choose them")
         self._order = list(range(len(self._train)))
         random.Random(f"jsonl:{config.seed}").shuffle(self._order)
-        self._verifier = BoundedVerifier(config.verify_timeout_s)
+        self._judge = AnswerJudge(config.answer_check, config.verify_timeout_s, "jsonl")
 
     def problem(self, prompt_id: int) -> Problem:
         prompt, answer = self._train[self._order[prompt_id % len(self._order)]]
@@ -81,23 +81,33 @@ class JsonlTask:
         return Problem(prompt_id=index, task=self.name, question=prompt, answer=answer)
 
     def verify(self, problem: Problem, completion_text: str) -> Verdict:
-        """The answer check (module doc); math-verify bounded by ``verify_timeout_s`` in any thread
-        (``tasks.bounded``), a time-out judged wrong."""
-        if self.config.answer_check == "strict":
-            answer = strict_answer(completion_text)
-            if answer is None:
-                return Verdict(reward=0.0, verified=False)
-            if (given := plain_number(answer)) is not None and (gold := plain_number(problem.answer)) is not None:
-                return Verdict(reward=float(given == gold), verified=given == gold)
-            completion_text = f"${answer}$"
-        correct = self._verifier.check(_gold_text(problem.answer), completion_text)
-        if correct is None and self._verifier.timeouts == 1:
-            print(f"[jsonl] a completion took over {self.config.verify_timeout_s:g}s to verify: judged wrong "
-                  "(further time-outs are counted, not printed)", file=sys.stderr, flush=True)
-        return Verdict(reward=1.0 if correct else 0.0, verified=bool(correct), timed_out=correct is None)
+        return self._judge(problem.answer, completion_text)
 
     def worked_solution(self, problem: Problem) -> str:
         return problem.answer
+
+
+class AnswerJudge:
+    """A free-form answer checked against the reference (module doc): math-verify bounded by ``timeout_s`` in
+    any thread (``tasks.bounded``), a time-out judged wrong."""
+
+    def __init__(self, answer_check: str, timeout_s: float, label: str) -> None:
+        self.answer_check, self.timeout_s, self.label = answer_check, timeout_s, label
+        self._verifier = BoundedVerifier(timeout_s)
+
+    def __call__(self, gold: str, completion_text: str) -> Verdict:
+        if self.answer_check == "strict":
+            answer = strict_answer(completion_text)
+            if answer is None:
+                return Verdict(reward=0.0, verified=False)
+            if (given := plain_number(answer)) is not None and (want := plain_number(gold)) is not None:
+                return Verdict(reward=float(given == want), verified=given == want)
+            completion_text = f"${answer}$"
+        correct = self._verifier.check(_gold_text(gold), completion_text)
+        if correct is None and self._verifier.timeouts == 1:
+            print(f"[{self.label}] a completion took over {self.timeout_s:g}s to verify: judged wrong "
+                  "(further time-outs are counted, not printed)", file=sys.stderr, flush=True)
+        return Verdict(reward=1.0 if correct else 0.0, verified=bool(correct), timed_out=correct is None)
 
 
 def _gold_text(answer: str) -> str:

@@ -5,6 +5,8 @@ and one-line errors for bad input."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,37 +22,91 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 
 
-def _script(tmp_path: Path, body: str) -> subprocess.Popen:
+def _script(tmp_path: Path, body: str, env: dict | None = None) -> subprocess.Popen:
     path = tmp_path / "user_script.py"
     path.write_text(textwrap.dedent(body))
     return subprocess.Popen([sys.executable, str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def docs_example() -> str:
+    """The complete example of docs/guides/python-api.md, as written there."""
+    page = (ROOT / "docs/guides/python-api.md").read_text()
+    return page.split("<!-- example:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _as_a_user(tmp_path: Path, engine_cache: Path) -> dict:
+    """A fresh directory as a clone's (the example names configs/smoke.toml), the tests' warm-start cache."""
+    (tmp_path / "configs").mkdir()
+    shutil.copy(SMOKE, tmp_path / "configs" / "smoke.toml")
+    return {**os.environ, "MUTUAL_RL_CACHE": str(engine_cache)}
+
+
+CHECK_RUN = """
+import glob, json, math
+run_dir = result.run_dir
+steps = [json.loads(l) for l in open(run_dir / "metrics.jsonl") if '"event": "step"' in l]
+parts = [(r["reward_mean"], r["rewards/task/mean"], r["rewards/brief/mean"]) for r in steps]
+print("RESULT", json.dumps({"status": result.status, "code": result.exit_code, "run_dir": str(run_dir),
+                            "steps": {m: v.steps for m, v in result.models.items()},
+                            "accuracy": {m: [v.accuracy_before, v.accuracy_after, v.eval_n] for m, v in result.models.items()},
+                            "parts": parts, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
+"""
+
+
+def _check_example_run(out: str) -> dict:
+    said = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert said["status"] == "finished" and said["code"] == 0, out[-3000:]
+    assert said["steps"] == {"gpt2": 12, "llama": 12}
+    for before, after, n in said["accuracy"].values():
+        assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0 and n == 18  # 30 distinct held out, 18 scored
+    assert len(said["parts"]) == 24  # each model's 12 steps, each with both functions' means (TRL's names)
+    for mean, task, brief in said["parts"]:
+        assert mean == pytest.approx(task + 0.2 * brief) and 0.0 <= task <= 1.0 and 0.0 <= brief <= 1.0
+    assert [Path(f).name for f in said["funcs"]] == ["reward-1-brief.pkl"]  # the cell's function, pickled
+    config = (Path(said["run_dir"]) / "config.toml").read_text()
+    assert f'"file:{said["run_dir"]}/inputs/reward-1-brief.pkl"' in config  # what a resume reads
+    assert "task: 30 held-out problems (eval_fraction=0.1" in out and "Traceback" not in out
+    return said
 
 
 @pytest.mark.slow
-def test_a_script_trains_to_the_end_and_gets_each_models_figures(tmp_path, engine_cache):
-    proc = _script(tmp_path, f"""
-        import json
-        from mutual_rl import Trainer
-
-        seen = []
-        result = Trainer({str(SMOKE)!r}, run_dir="run", run={{"cache_dir": {str(engine_cache)!r}, "report": True}},
-                         callbacks=[seen.append], quiet=True).train()
-        steps = sorted((r["model"], r["step"]) for r in seen if r["event"] == "step")
-        print("RESULT", json.dumps({{"status": result.status, "code": result.exit_code, "steps": steps,
-                                    "events": sorted({{r["event"] for r in seen}}),
-                                    "report": str(result.report), "models": {{m: [v.accuracy_before, v.accuracy_after,
-                                    v.eval_n, v.steps, v.samples] for m, v in result.models.items()}}}}))
-    """)
+@pytest.mark.xdist_group("api_example")  # one after the other: the second reads the first's warm start
+def test_the_docs_example_runs_as_written_from_a_script(tmp_path, engine_cache):
+    """A TRL-signature function from the script's own __main__, with a column of the dataset's, and the task's
+    check, on a datasets.Dataset of chat prompts with a system prompt: two models end to end."""
+    resumed = """
+from mutual_rl import resume
+again = resume(result.run_dir, quiet=True, **{"train.steps": 14})  # the pickled function and dataset, re-read
+print("RESUMED", json.dumps({"status": again.status, "steps": {m: v.steps for m, v in again.models.items()}}))
+"""
+    proc = _script(tmp_path, docs_example() + CHECK_RUN + resumed, _as_a_user(tmp_path, engine_cache))
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-3000:]
-    said = json.loads(out.split("RESULT ", 1)[1])
-    assert said["status"] == "finished" and said["code"] == 0
-    assert said["events"] == ["end", "final", "step"]
-    assert said["steps"] == sorted([m, k] for m in ("gpt2", "llama") for k in range(1, 13))  # each step once
-    for model, (before, after, n, steps, samples) in said["models"].items():
-        assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0 and n == 18 and steps == 12 and samples > 0, model
-    assert said["report"] == str(tmp_path / "run" / "report.md") and (tmp_path / "run" / "report.md").exists()
+    said = _check_example_run(out)
+    again = json.loads(out.split("RESUMED ", 1)[1].splitlines()[0])
+    assert again == {"status": "finished", "steps": {"gpt2": 14, "llama": 14}}, out[-3000:]
+    steps = [json.loads(line) for line in (Path(said["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("event") == "step" and "rewards/brief/mean" in r for r in steps) == 28
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("api_example")
+def test_the_docs_example_runs_as_written_inside_a_running_event_loop(tmp_path, engine_cache):
+    """As a notebook runs a cell: the example's code at the top level of __main__, the kernel's loop running."""
+    cell = docs_example() + CHECK_RUN
+    proc = _script(tmp_path, f"""
+        import asyncio
+
+        async def kernel():
+            asyncio.get_running_loop()  # what the API sees in a notebook
+            exec({cell!r}, globals())
+
+        asyncio.run(kernel())
+    """, _as_a_user(tmp_path, engine_cache))
+    out = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, out[-3000:]
+    _check_example_run(out)
 
 
 @pytest.mark.slow
@@ -61,7 +117,10 @@ def test_inside_a_running_event_loop_an_interrupt_stops_the_run_as_ctrl_c_does(t
         import asyncio, json
         from mutual_rl import Trainer
 
+        events = []
+
         def step(record):
+            events.append(record["event"])
             if record["event"] == "step":
                 print("STEP", record["model"], record["step"], flush=True)
 
@@ -71,7 +130,7 @@ def test_inside_a_running_event_loop_an_interrupt_stops_the_run_as_ctrl_c_does(t
             return trainer.train()
 
         result = asyncio.run(cell())
-        print("RESULT", json.dumps({{"status": result.status, "code": result.exit_code,
+        print("RESULT", json.dumps({{"status": result.status, "code": result.exit_code, "events": events,
                                     "steps": {{m: v.steps for m, v in result.models.items()}}}}), flush=True)
     """)
     lines = []
@@ -87,6 +146,8 @@ def test_inside_a_running_event_loop_an_interrupt_stops_the_run_as_ctrl_c_does(t
     said = json.loads(out.split("RESULT ", 1)[1])
     assert said["status"] == "interrupted" and said["code"] == 130, said
     assert all(2 <= s < 1000 for s in said["steps"].values()), said  # each model's final came, at its stop
+    events = said["events"]  # callbacks: every step record, then each model's final, then the end
+    assert events[-1] == "end" and events.count("final") == 2 and events.count("step") >= sum(said["steps"].values())
     assert "Traceback" not in out
     assert "stopped by SIGINT during the run" in (tmp_path / "run" / "INTERRUPTED").read_text()
 
@@ -104,3 +165,39 @@ def test_bad_input_is_one_error_that_names_the_argument(tmp_path):
     cfg = Trainer(SMOKE, train={"steps": 3}, run={"seed": 7}).config
     assert (cfg.train.steps, cfg.run.seed, cfg.train.prompts_per_step) == (3, 7, 8)  # the rest of the file kept
     assert "\n" not in str(err.value)
+
+
+SAME = {"models": [{"name": "gpt2", "arch": "gpt2", "tokenizer": "gpt2"}], "objective": {"kind": "grpo"},
+        "run": {"mode": "sync", "report": False}, "pool": {"workers": 2}, "train": {"steps": 3}}
+
+
+@pytest.mark.slow
+def test_launch_py_run_and_the_api_train_the_same_weights(tmp_path, engine_cache):
+    """``launch.py run`` is a Trainer: the same config and seed train the same weights either way (sync mode, one
+    generator: a run that is deterministic)."""
+    sets = ['models=[{name = "gpt2", arch = "gpt2", tokenizer = "gpt2"}]', 'objective.kind="grpo"',
+            'run.mode="sync"', "run.report=false", "pool.workers=2", "train.steps=3",
+            f'run.cache_dir="{engine_cache}"']
+    cli = subprocess.run([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(SMOKE),
+                          "--run-dir", str(tmp_path / "cli"), *[a for s in sets for a in ("--set", s)]],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-2000:]
+    api = _script(tmp_path, f"""
+        from mutual_rl import Trainer
+
+        same = {SAME!r}
+        same["run"]["cache_dir"] = {str(engine_cache)!r}
+        raise SystemExit(Trainer({str(SMOKE)!r}, run_dir="api", quiet=True, **same).train().exit_code)
+    """)
+    out = api.communicate(timeout=600)[0]
+    assert api.returncode == 0, out[-3000:]
+
+    def trained(run: str) -> tuple[list, bytes]:
+        steps = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        rewards = [(r["step"], r["reward_mean"]) for r in steps if r.get("event") == "step"]
+        final = tmp_path / run / "checkpoints" / "gpt2" / "step-000003"
+        return rewards, b"".join(p.read_bytes() for p in sorted(final.glob("*.safetensors")))
+
+    (cli_rewards, cli_weights), (api_rewards, api_weights) = trained("cli"), trained("api")
+    assert len(cli_rewards) == 3 and cli_rewards == api_rewards
+    assert cli_weights and cli_weights == api_weights

@@ -301,7 +301,7 @@ def test_readme_and_docs_run_commands_are_valid_as_written():
     """Every `python launch.py run ...` line of README.md and of docs/ loads and passes pre-flight."""
     import shlex
 
-    from engine.cli import preflight
+    from engine.session import preflight
     from launch import build_parser
 
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -328,7 +328,7 @@ def test_readme_and_docs_run_commands_are_valid_as_written():
 BLOCKED = """
 import sys
 sys.modules["wandb"] = None  # as if not installed: importing it raises ImportError
-import engine.cli, monitor.cli, monitor.wandb_sink  # none of them imports wandb unless switched on
+import mutual_rl.cli, engine.session, monitor.cli, monitor.wandb_sink  # none of them imports wandb unless switched on
 import launch
 sys.exit(launch.main(sys.argv[1:]))
 """

@@ -80,7 +80,7 @@ def test_a_completion_crafted_to_be_slow_cannot_hang_verification(tmp_path: Path
     worker.join(timeout=30)
     assert not worker.is_alive(), "verification hung"
     assert time.monotonic() - started < 10
-    assert verdicts[0].reward == 0.0 and verdicts[0].timed_out and task._verifier.timeouts == 1
+    assert verdicts[0].reward == 0.0 and verdicts[0].timed_out and task._judge._verifier.timeouts == 1
     assert task.verify(problem, " " + problem.answer).verified  # a fresh verifier serves the next one
     err = capfd.readouterr().err
     assert err.count("took over 2s to verify") == 1 and "Timeout is disabled" not in err

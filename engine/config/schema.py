@@ -169,6 +169,15 @@ class TimeoutSection(_Section):
     node_silent_s: Annotated[float, Meta(ge=6.0)] = 30.0  # a node silent this long is gone (a beat every 2 s)
 
 
+class RewardSection(_Section):
+    """The reward: reward functions in TRL's shape, summed with weights (tasks/rewards.py says how they are
+    called and what counts as a success)."""
+
+    # "task" (the task's own verifier), "exact_answer", "module:function", or "file:PATH" (a pickled function)
+    funcs: list[str] = msgspec.field(default_factory=lambda: ["task"])
+    weights: list[float] = []  # one per function; [] = 1.0 each
+
+
 class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How long and how hard to imitate worked solutions."""
 
@@ -190,6 +199,7 @@ class RunConfig(_Section):
     models: list[ModelConfig] = []
     task: TaskConfig = ArithmeticConfig()
     objective: ObjectiveConfig = SGTConfig()
+    reward: RewardSection = RewardSection()
     train: TrainSection = TrainSection()
     warmstart: WarmStartConfig = WarmStartConfig()
     eval: EvalSection = EvalSection()

@@ -15,6 +15,7 @@ from engine.config.load import ConfigError, Origin, did_you_mean
 from engine.config.schema import RunConfig, cache_root
 from policies import sources
 from policies.spec import causal_lm_families
+from tasks.dataset import DatasetConfig
 
 
 def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunConfig:
@@ -26,10 +27,29 @@ def validate(cfg: RunConfig, origin: Origin, check_machine: bool = True) -> RunC
                                              'use kind = "grpo" for a single model')
     _pool(cfg, origin, check_machine)
     _sharding(cfg, origin)
+    _reward(cfg, origin)
     if cfg.run.wandb != "off" and check_machine and importlib.util.find_spec("wandb") is None:
         raise origin.error("run.wandb", f"{cfg.run.wandb!r} needs the wandb package, which is not installed; "
                                       "pip install -e '.[wandb]' (or set run.wandb = \"off\")")
     return cfg
+
+
+def _reward(cfg: RunConfig, origin: Origin) -> None:
+    """Reward functions named well, weighed one each; the task's verifier only where the task has answers. (Each
+    is loaded, its module imported, when the task is made: the launcher's preflight.)"""
+    funcs, weights = cfg.reward.funcs, cfg.reward.weights
+    if not funcs:
+        raise origin.error("reward.funcs", 'names no function; the default is ["task"], the task\'s own verifier')
+    if weights and len(weights) != len(funcs):
+        raise origin.error("reward.weights", f"gives {len(weights)} weights for {len(funcs)} reward functions "
+                                             "(one each, or none for 1.0 each)")
+    for i, spec in enumerate(funcs):
+        if spec not in ("task", "exact_answer") and not spec.startswith("file:") and ":" not in spec:
+            raise origin.error(f"reward.funcs.{i}", f'{spec!r}: expected "task", "exact_answer", '
+                                                    '"module:function" or "file:PATH"')
+    if "task" in funcs and isinstance(cfg.task, DatasetConfig) and not cfg.task.answer:
+        raise origin.error("reward.funcs", 'names "task", but task.answer = "" (the dataset has no answer column '
+                                           "for the task's verifier to check): name your reward functions instead")
 
 
 def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:

@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 from policies.backend import GenerationBackend
 from policies.templates import prompt_ids
-from tasks.base import Problem, Task, verify_safely
+from tasks.base import Problem, Task
+from tasks.rewards import score
 
 EVAL_PROGRESS_EVERY_S = 5.0
 # draws of eval_problem in a row that bring no new question before the held-out set is taken to be exhausted (a
@@ -63,12 +64,12 @@ def evaluate(
     errors: list[str] | None = [] if reward_errors == "zero" else None
     for start in range(0, num_problems, batch_size):
         problems = [draw(i) for i in range(start, min(start + batch_size, num_problems))]
-        prompts = [prompt_ids(tokenizer, arch, p.question) for p in problems]
+        prompts = [prompt_ids(tokenizer, arch, p.prompt) for p in problems]
         samples = backend.generate(prompts, 1, max_new_tokens, temperature, seed=seed + start)
-        for problem, (sample,) in zip(problems, samples):
-            text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-            correct += verify_safely(task, problem, text, errors).verified
-            cut += sample.finish_reason == "length"
+        texts = [tokenizer.decode(sample.completion_ids, skip_special_tokens=True) for (sample,) in samples]
+        ids = [sample.completion_ids for (sample,) in samples]
+        correct += sum(v.verified for v in score(task, problems, texts, errors, ids))
+        cut += sum(sample.finish_reason == "length" for (sample,) in samples)
         if progress is not None:
             progress(start + len(problems), num_problems, correct)
     accuracy = correct / num_problems

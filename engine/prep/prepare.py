@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from engine.config import RunConfig, cache_root, model_spec, tokenizer_cache
+from tasks.base import task_identity
 from engine.runtime import actors
 
 
@@ -109,7 +110,7 @@ def prepare_model(payload: bytes) -> int:
     m = cfg.models[plan.model_index]
     spec = model_spec(m)
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = msgspec.structs.replace(cfg.warmstart, steps=warm_start_steps(cfg, plan.model_index))
     try:
@@ -149,8 +150,8 @@ def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: 
     # (and "distinct": scored over distinct held-out questions; a cache from before, with a small task's
     # questions repeated up to n, is not read)
     key = hashlib.sha256(msgspec.json.encode(
-        {"task": cfg.task, "n": ev.num_problems, "t": ev.temperature, "max_new": cfg.eval_max_new_tokens,
-         "distinct": True}
+        {"task": task_identity(task), "n": ev.num_problems, "t": ev.temperature,
+         "max_new": cfg.eval_max_new_tokens, "distinct": True}
     )).hexdigest()[:16]
     path = checkpoint / f"eval-{key}.json"
     if path.exists():

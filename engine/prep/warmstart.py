@@ -26,7 +26,7 @@ from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import ModelLoadError, ModelSpec, build_policy, load_policy, pad_token_id, save_policy
 from policies.templates import completion_ids, prompt_ids
-from tasks.base import Task
+from tasks.base import Task, task_identity
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def cache_key(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, c
         "format": CACHE_FORMAT,
         "spec": msgspec.structs.replace(spec, name=""),
         "vocab_size": len(tokenizer),
-        "task": task.config,
+        "task": task_identity(task),
         "warm_start": config,
     }
     return hashlib.sha256(msgspec.json.encode(identity)).hexdigest()
@@ -165,7 +165,7 @@ def _batch(
     rows = []
     for prompt_id in range(first_id, first_id + size):
         problem = task.problem(prompt_id)
-        prompt = prompt_ids(tokenizer, spec.arch, problem.question)
+        prompt = prompt_ids(tokenizer, spec.arch, problem.prompt)
         completion = completion_ids(tokenizer, task.worked_solution(problem))
         if len(prompt) + len(completion) > spec.max_seq_len:
             raise ValueError(

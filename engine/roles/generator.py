@@ -28,7 +28,8 @@ from policies.lora import has_adapters, merged
 from policies.models import pad_token_id
 from policies.sglang_backend import SglangBackend, engine_args, sglang_backend
 from policies.templates import prompt_ids
-from tasks.base import VerifierError, verify_safely
+from tasks.base import VerifierError
+from tasks.rewards import score
 
 
 async def generate_role(worker, order: Order) -> None:
@@ -146,26 +147,29 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
     "zero"; with "stop" the first raise is a VerifierError)."""
     cfg, model = worker.cfg, unit.model
     arch = cfg.model(model).arch
-    prompts = [prompt_ids(tok, arch, p.question) for p in unit.problems]
+    prompts = [prompt_ids(tok, arch, p.prompt) for p in unit.problems]
     seed = zlib.crc32(f"{cfg.run.seed}/{model}/{worker.id}/{unit.problems[0].prompt_id}".encode())  # stable across processes
     with torch.no_grad():
         samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)
     done = time.time()
-    out, timeouts, errors, zero = [], 0, [], cfg.train.reward_errors == "zero"
-    for problem, ids, group in zip(unit.problems, prompts, samples):
-        for k, sample in enumerate(group):
-            text = tok.decode(sample.completion_ids, skip_special_tokens=True)
-            verdict = verify_safely(worker.task, problem, text, errors if zero else None)
-            timeouts += verdict.timed_out
-            out.append(Experience(
-                schema=SCHEMA_VERSION, run_id=worker.plan.run_id,
-                experience_id=f"{model}/{problem.prompt_id}/{k}/{worker.id}",
-                model=model, task=problem.task, prompt_id=problem.prompt_id, sample_index=k,
-                group_size=unit.group_size, weight_version=version,
-                prompt_ids=pack_ids(ids), completion_ids=pack_ids(sample.completion_ids),
-                behaviour_logprobs=pack_floats(sample.logprobs), completion_text=text,
-                reward=float(verdict.reward), verified=bool(verdict.verified),
-                finish_reason=sample.finish_reason, created_at=started, generated_at=done,
-            ))
+    out, errors, zero = [], [], cfg.train.reward_errors == "zero"
+    flat = [(problem, ids, k, sample) for problem, ids, group in zip(unit.problems, prompts, samples)
+            for k, sample in enumerate(group)]
+    texts = [tok.decode(sample.completion_ids, skip_special_tokens=True) for *_, sample in flat]
+    verdicts = score(worker.task, [problem for problem, *_ in flat], texts, errors if zero else None,
+                     [sample.completion_ids for *_, sample in flat])  # a batch, as TRL's reward functions take
+    timeouts = sum(v.timed_out for v in verdicts)
+    for (problem, ids, k, sample), text, verdict in zip(flat, texts, verdicts):
+        out.append(Experience(
+            schema=SCHEMA_VERSION, run_id=worker.plan.run_id,
+            experience_id=f"{model}/{problem.prompt_id}/{k}/{worker.id}",
+            model=model, task=problem.task, prompt_id=problem.prompt_id, sample_index=k,
+            group_size=unit.group_size, weight_version=version,
+            prompt_ids=pack_ids(ids), completion_ids=pack_ids(sample.completion_ids),
+            behaviour_logprobs=pack_floats(sample.logprobs), completion_text=text,
+            reward=float(verdict.reward), verified=bool(verdict.verified),
+            finish_reason=sample.finish_reason, created_at=started, generated_at=done,
+            reward_parts=list(verdict.parts),
+        ))
     return out, timeouts, errors
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -223,6 +224,19 @@ async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
     return result
 
 
+def _reward_means(task, own: list) -> dict[str, float | None]:
+    """Each reward function's mean over the step's own samples, under TRL's name ``rewards/<name>/mean`` (None
+    where it abstained on all of them); nothing without ``[reward] funcs``."""
+    names = getattr(task, "names", None)
+    if not names:
+        return {}
+    out = {}
+    for i, name in enumerate(names):
+        judged = [s.reward_parts[i] for s in own if len(s.reward_parts) > i and not math.isnan(s.reward_parts[i])]
+        out[f"rewards/{name}/mean"] = sum(judged) / len(judged) if judged else None
+    return out
+
+
 async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: dict) -> None:
     """Publish the weights, then tell everyone: metrics, the coordinator, the Stats stream."""
     w, version, t = core.worker, core.state.version, core.totals
@@ -247,7 +261,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         rejected=core.ingest.rejected_total,
         world=len(group.members), epoch=group.epoch, solo=p.solo, peers_gone=sorted(w.inbox.gone),
         idle_s=round(p.idle_s, 4), peer_wait_s=round(p.peer_wait_s, 4), step_s=round(result.pop("busy_s"), 4),
-        **t, **result)
+        **_reward_means(w.task, p.own), **t, **result)
     if core.cfg.pool.script or core.cfg.pool.allocator == "mwra":
         record["params_digest"] = dp.params_digest(core.module)  # lets a test check every hand-over bit for bit
     ev = core.cfg.eval

@@ -88,7 +88,7 @@ class Worker:
     def __init__(self, plan: WorkerPlan):
         self.plan, self.id, self.cfg = plan, plan.worker_id, plan.config
         self.names = self.cfg.names
-        self.task = make_task(self.cfg.task)
+        self.task = make_task(self.cfg.task, self.cfg.reward.funcs, self.cfg.reward.weights)
         self.inbox = Inbox()
         self.role_now: RoleOf | None = None  # set while a role runs (work for another role is handed back)
         self.t0 = time.time()

@@ -44,6 +44,7 @@ class OwnSample(msgspec.Struct, array_like=True):
     verified: bool
     weight_version: int
     prompt_id: int
+    reward_parts: list[float] = []  # each reward function's reward (NaN: abstained), with [reward] funcs set
 
 
 class PeerSample(msgspec.Struct, array_like=True):

@@ -80,7 +80,7 @@ class Ingest:
         group.append(OwnSample(
             prompt_ids=exp.prompt_array, completion_ids=exp.completion_array,
             behaviour_logprobs=exp.logprob_array, reward=exp.reward, verified=exp.verified,
-            weight_version=exp.weight_version, prompt_id=exp.prompt_id,
+            weight_version=exp.weight_version, prompt_id=exp.prompt_id, reward_parts=exp.reward_parts,
         ))
         self.cut[exp.prompt_id] += exp.finish_reason == "length"
         if len(group) == exp.group_size:
@@ -101,8 +101,8 @@ class Ingest:
     def _prompt(self, prompt_id: int) -> np.ndarray:
         """Our own template for the prompt: only the completion crosses the bridge."""
         if prompt_id not in self._prompts:
-            question = self.task.problem(prompt_id).question
-            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, question))
+            prompt = self.task.problem(prompt_id).prompt
+            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, prompt))
         return self._prompts[prompt_id]
 
     def reference_samples(self, prompts: list[int]) -> list[PeerSample]:

@@ -1,46 +1,10 @@
-"""launch.py's engine subcommands: ``run`` (every training job), ``resume`` and ``cache`` (warm starts on disk)."""
+"""One run from start to end, as ``mutual_rl.Trainer`` (and through it ``launch.py run``) drives it: the pre-flight
+checks, the actors' fork server, the coordinator's loop, the report; a stopped run made ready to resume; this
+node's place in a torchrun cluster."""
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser("run", help="train the models of a config together (the default command)")
-    run.add_argument("--config", default="configs/default.toml", help="TOML run config (default: %(default)s)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set train.steps=50 (repeatable)")
-    run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
-    run.set_defaults(handler=run_command)
-    resume = sub.add_parser("resume", help="continue a stopped or crashed run from its checkpoints and experience log")
-    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (it holds config.toml)")
-    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="change what may change mid-run, e.g. --set train.steps=800 to train longer: "
-                             + ", ".join(f"{k}*" if k.endswith(".") else k for k in RESUMABLE))
-    resume.set_defaults(handler=resume_command)
-    cache = sub.add_parser("cache", help="show (or --clear) the cache of warm starts and converted tokenizers")
-    cache.add_argument("--clear", action="store_true", help="delete the cache (it is rebuilt when needed)")
-    cache.set_defaults(handler=cache_command)
-
-
-def open_run(args: argparse.Namespace):
-    """Config, pre-flight checks, a fresh run dir; bad input: one line on stderr, nothing written, None."""
-    from engine.config import ConfigError, load_run_config
-    from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
-
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-        start_actor_server()  # a config refused above costs no second interpreter; the pre-flight forks it
-        preflight(cfg, forked=True)
-        run_dir = make_run_dir(args.run_dir)
-    except (ConfigError, FileExistsError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-    write_resolved_config(cfg, run_dir)
-    print(announce(cfg, run_dir), flush=True)
-    return cfg, run_dir
 
 
 def preflight(cfg, forked: bool = False) -> None:
@@ -51,6 +15,7 @@ def preflight(cfg, forked: bool = False) -> None:
     from engine.config import ConfigError
     from tasks.jsonl import TaskFileError
     from tasks.registry import make_task
+    from tasks.rewards import RewardLoadError
 
     if forked:
         from engine.runtime import actors
@@ -61,7 +26,9 @@ def preflight(cfg, forked: bool = False) -> None:
     if problem:
         raise ConfigError(problem)
     try:
-        task = make_task(cfg.task)
+        task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)
+    except RewardLoadError as exc:
+        raise ConfigError(f"reward.funcs: {exc}") from None
     except (OSError, ValueError, TaskFileError) as exc:
         raise ConfigError(f"task: {exc}") from None
     if note := getattr(task, "split_note", None):
@@ -123,29 +90,12 @@ def _unservable(generation) -> str | None:
         return f"{exc} (is it sglang {SGLANG_VERSION}?)"
 
 
-def run_command(args: argparse.Namespace) -> int:
-    node = this_node()
-    if node is not None and node.rank > 0:
-        return serve_node(node)
-    opened = open_run(args)
-    if opened is None:
-        refuse_nodes(node)
-        stop_actor_server()
-        return 2
-    cfg, run_dir = opened
-    return train(cfg, run_dir, node=node)
-
-
 def this_node():
     """This launcher's node when torchrun started one per node (``engine.runtime.cluster``); None on one machine.
-    A launch environment that cannot make a cluster is one line and exit 2."""
-    from engine.runtime.cluster import ClusterError, from_env
+    A launch environment that cannot make a cluster is a ClusterError saying why."""
+    from engine.runtime.cluster import from_env
 
-    try:
-        return from_env()
-    except ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return from_env()
 
 
 def serve_node(node) -> int:
@@ -190,24 +140,20 @@ def stop_actor_server() -> None:
 
 
 def train(cfg, run_dir, resume: bool = False, node=None, quiet: bool = False, started=None) -> int:
-    """The run, with its W&B logger beside it when ``run.wandb`` is on (``monitor.wandb_sink``), then its report.
-    ``started(loop, coordinator)`` is called on the run's loop before it begins (``mutual_rl`` forwards a
-    notebook's interrupt through it)."""
+    """The RL phase and what follows it (final evaluations, checkpoints) on a uvloop loop; the actors' fork server
+    stopped after. ``started(loop, coordinator)`` is called on the run's loop before it begins (``mutual_rl``
+    forwards a notebook's interrupt through it)."""
     import uvloop
 
     from engine.coordinator import Coordinator
-    from monitor import wandb_sink
 
-    sink = wandb_sink.start(run_dir, cfg.run.wandb)
     coordinator = Coordinator(cfg, run_dir, resume=resume, node=node, quiet=quiet)
     try:
-        code = uvloop.run(_begun(coordinator, started))
+        return uvloop.run(_begun(coordinator, started))
     finally:
         # every actor has stopped: the fork server has no more work, and its own exit (a second of unloading
         # torch) would hold the terminal's pipes open after ours
         stop_actor_server()
-        wandb_sink.finish(sink)
-    return finish_with_report(code, run_dir, cfg.run.report)
 
 
 async def _begun(coordinator, started) -> int:
@@ -218,40 +164,9 @@ async def _begun(coordinator, started) -> int:
     return await coordinator.run()
 
 
-def finish_with_report(code: int, run_dir, report: bool) -> int:
-    """Every run ends with its report (``monitor.report``) when it trained at all, unless ``run.report`` is off;
-    a report problem never changes the run's exit code."""
-    from engine.runtime.rundir import said_size
-
-    if report:
-        from monitor.report import ReportError, write_report
-
-        try:
-            print(f"report: {write_report([run_dir])}", flush=True)
-        except ReportError:
-            pass  # nothing trained (a failed start, a stop in the warm start): nothing to report
-    print(said_size(run_dir), flush=True)
-    return code
-
-
 # what may differ from the stopped run: the rest decides the training
 RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
              "run.wandb", "run.report", "eval.", "timeouts.")
-
-
-def resume_command(args: argparse.Namespace) -> int:
-    """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
-    from pathlib import Path
-
-    node = this_node()
-    if node is not None and node.rank > 0:
-        return serve_node(node)
-    run_dir = Path(args.run_dir)
-    prepared = prepare_resume(run_dir, args.overrides)
-    if isinstance(prepared, str):
-        print(f"error: {prepared}", file=sys.stderr)
-        return 2
-    return train(prepared, run_dir, resume=True, node=node)
 
 
 def prepare_resume(run_dir, overrides: list[str]):
@@ -289,20 +204,3 @@ def prepare_resume(run_dir, overrides: list[str]):
         write_resolved_config(cfg, run_dir)  # a later resume continues with these values
     print(f"resuming {run_dir}", flush=True)
     return cfg
-
-
-def cache_command(args: argparse.Namespace) -> int:
-    from tokenbridge.cachedir import default_cache_root
-
-    root = default_cache_root()
-    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
-    if args.clear:
-        shutil.rmtree(root, ignore_errors=True)
-        print(f"removed {root} ({size / 1e6:.0f} MB)")
-    else:
-        entries = sorted(p.name for p in (root / "warmstart").iterdir()) if (root / "warmstart").is_dir() else []
-        print(f"{root}: {size / 1e6:.0f} MB, {len(entries)} cached warm starts "
-              "(set MUTUAL_RL_CACHE or XDG_CACHE_HOME to move it; `launch.py cache --clear` to delete it)")
-    return 0
-
-

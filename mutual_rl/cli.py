@@ -1,0 +1,88 @@
+"""launch.py's training commands, as users of the Python API: ``run`` (a ``Trainer``), ``resume`` (``resume``),
+and ``cache`` (the warm starts on disk). On a torchrun cluster, nodes other than 0 serve node 0's run."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+from engine import session
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="train the models of a config together (the default command)")
+    run.add_argument("--config", default="configs/default.toml", help="TOML run config (default: %(default)s)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set train.steps=50 (repeatable)")
+    run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    run.set_defaults(handler=run_command)
+    resume = sub.add_parser("resume", help="continue a stopped or crashed run from its checkpoints and experience log")
+    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (it holds config.toml)")
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change what may change mid-run, e.g. --set train.steps=800 to train longer: "
+                             + ", ".join(f"{k}*" if k.endswith(".") else k for k in session.RESUMABLE))
+    resume.set_defaults(handler=resume_command)
+    cache = sub.add_parser("cache", help="show (or --clear) the cache of warm starts and converted tokenizers")
+    cache.add_argument("--clear", action="store_true", help="delete the cache (it is rebuilt when needed)")
+    cache.set_defaults(handler=cache_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``launch.py run``: the config read with its ``--set`` changes, then ``Trainer(config).train()``; bad input
+    is one line on stderr and exit 2, nothing written."""
+    from engine.config import ConfigError, load_run_config
+    from mutual_rl.trainer import Trainer
+
+    node = _node()
+    if node is not None and node.rank > 0:
+        return session.serve_node(node)
+    try:
+        trainer = Trainer(load_run_config(args.config, args.overrides), run_dir=args.run_dir)
+        return trainer.train(node=node).exit_code
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        session.refuse_nodes(node)
+        return 2
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
+    from engine.config import ConfigError
+    from mutual_rl.trainer import resume
+
+    node = _node()
+    if node is not None and node.rank > 0:
+        return session.serve_node(node)
+    try:
+        return resume(args.run_dir, overrides=args.overrides, node=node).exit_code
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _node():
+    """This launcher's torchrun node (None on one machine); a launch environment that cannot make a cluster is
+    one line and exit 2."""
+    from engine.runtime.cluster import ClusterError
+
+    try:
+        return session.this_node()
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    from tokenbridge.cachedir import default_cache_root
+
+    root = default_cache_root()
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    if args.clear:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"removed {root} ({size / 1e6:.0f} MB)")
+    else:
+        entries = sorted(p.name for p in (root / "warmstart").iterdir()) if (root / "warmstart").is_dir() else []
+        print(f"{root}: {size / 1e6:.0f} MB, {len(entries)} cached warm starts "
+              "(set MUTUAL_RL_CACHE or XDG_CACHE_HOME to move it; `launch.py cache --clear` to delete it)")
+    return 0

@@ -1,0 +1,239 @@
+"""Reward functions in TRL's shape, and the task whose reward is their weighted sum (``[reward]``).
+
+A reward function is called on a batch of completions and returns one float per completion, or None where it
+abstains::
+
+    def short_answer(prompts, completions, **columns) -> list[float | None]:
+        return [1.0 if len(c) < 80 else 0.0 for c in completions]
+
+``prompts`` are the questions (strings) or, for a chat prompt, its turns; ``completions`` the decoded
+completions, or for a chat prompt ``[{"role": "assistant", "content": text}]`` each, as TRL gives them. Every
+other column of a problem's row comes as a keyword argument with one value per completion: ``answer`` (the
+reference, where the task has one), ``problem`` (this project's ``Problem``) and ``completion_ids`` always, a
+dataset's own columns where it has them. A function without ``**kwargs`` gets only the arguments it names.
+
+``reward.funcs`` names them: ``"task"`` (the task's own verifier, the default), ``"exact_answer"`` (the
+completion's one answer, read strictly, equal to the ``answer`` column), ``"module:function"`` (imported from
+the directory the run was launched from, or any installed module), or ``"file:PATH"`` (a function pickled
+with cloudpickle: ``mutual_rl.Trainer(reward_funcs=[f])`` writes these for functions defined in a script or a
+notebook cell). The reward is the sum of each function's reward times its ``reward.weights`` entry, over the
+functions that did not abstain (TRL's rule). A completion is a success (what SGT and PRP share, what the
+evaluation counts) when the task's verifier accepts it, where ``"task"`` is one of the functions; otherwise
+when every function that judged it gave at least 1.0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+from tasks.answers import plain_number, strict_answer
+from tasks.base import Problem, Task, Verdict, VerifierError, task_identity, verify_safely
+
+RewardFunction = Callable[..., Sequence[float | None]]
+
+
+def exact_answer(prompts, completions, answer, **_) -> list[float | None]:
+    """1.0 where the completion's one answer (``tasks.answers.strict_answer``) equals ``answer`` (as numbers
+    where both are plain ones, else as text), 0.0 where it does not, None where the row has no answer."""
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        if gold is None or str(gold).strip() == "":
+            out.append(None)
+            continue
+        given, gold = strict_answer(text), str(gold).strip()
+        if given is None:
+            out.append(0.0)
+        elif (a := plain_number(given)) is not None and (b := plain_number(gold)) is not None:
+            out.append(float(a == b))
+        else:
+            out.append(float(given == gold))
+    return out
+
+
+BUILT_IN: dict[str, RewardFunction] = {"exact_answer": exact_answer}
+
+
+class RewardLoadError(ValueError):
+    """A ``reward.funcs`` entry that names nothing callable; the message says which entry and why."""
+
+
+def load_reward(spec: str) -> RewardFunction:
+    """The function a ``reward.funcs`` entry names (not ``"task"``, which the task provides)."""
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]
+    if spec.startswith("file:"):
+        return _unpickle(spec.removeprefix("file:"))
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise RewardLoadError(f"reward function {spec!r}: expected \"task\", {', '.join(map(repr, BUILT_IN))}, "
+                              "\"module:function\" or \"file:PATH\"")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # after the installed packages: a local file cannot shadow them
+    try:
+        found: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RewardLoadError(f"reward function {spec!r}: cannot import {module_name!r} "
+                              f"({type(exc).__name__}: {exc})") from None
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if not callable(found):
+        raise RewardLoadError(f"reward function {spec!r}: {module_name} has no function {name!r}")
+    return found
+
+
+def _unpickle(path: str) -> RewardFunction:
+    import cloudpickle
+
+    try:
+        with open(path, "rb") as f:
+            found = cloudpickle.load(f)
+    except FileNotFoundError:
+        raise RewardLoadError(f"reward function file:{path}: no such file") from None
+    except Exception as exc:  # a function pickled where a module it needs is missing here
+        raise RewardLoadError(f"reward function file:{path} does not load here ({type(exc).__name__}: {exc})") \
+            from None
+    if not callable(found):
+        raise RewardLoadError(f"reward function file:{path} holds a {type(found).__name__}, not a function")
+    return found
+
+
+def reward_name(func: RewardFunction) -> str:
+    """How a function's mean reward is logged (TRL's ``rewards/<name>/mean``): its ``__name__``."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def reward_names(specs: Sequence[str]) -> list[str]:
+    """The logged name of each ``reward.funcs`` entry, made unique by a suffix where two share one."""
+    names = [spec if spec in ("task", *BUILT_IN) else reward_name(load_reward(spec)) for spec in specs]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+class RewardedTask:
+    """A task whose reward is ``reward.funcs``' weighted sum; its problems, split and solutions the task's."""
+
+    def __init__(self, task: Task, specs: Sequence[str], weights: Sequence[float]) -> None:
+        self.task, self.name, self.config = task, task.name, task.config
+        self.specs = list(specs)
+        self.funcs = {i: load_reward(s) for i, s in enumerate(self.specs) if s != "task"}  # once a process
+        self.names = reward_names(self.specs)
+        self.weights = list(weights) or [1.0] * len(self.specs)
+        self.split_note = getattr(task, "split_note", None)
+        # the verdict's success is the task's where "task" is a function: caches of it (warm starts, evaluations)
+        # hold for any other functions; otherwise the functions decide it
+        self.identity = task_identity(task) if "task" in self.specs else {"task": task_identity(task),
+                                                                           "reward": self.specs}
+
+    def problem(self, prompt_id: int) -> Problem:
+        return self.task.problem(prompt_id)
+
+    def eval_problem(self, index: int) -> Problem:
+        return self.task.eval_problem(index)
+
+    def worked_solution(self, problem: Problem) -> str:
+        return self.task.worked_solution(problem)
+
+    def verify(self, problem: Problem, completion_text: str) -> Verdict:
+        return self.score([problem], [completion_text])[0]
+
+    def score(self, problems: Sequence[Problem], texts: Sequence[str], errors: list[str] | None = None,
+              completion_ids: Sequence[Sequence[int]] | None = None) -> list[Verdict]:
+        """Each completion's verdict: the weighted reward, the success, each function's part (NaN: abstained).
+        A function that raises or answers in the wrong shape is a VerifierError naming it, or with ``errors``
+        a line there and 0 for the batch."""
+        n = len(texts)
+        verdicts = None
+        parts: list[list[float]] = []
+        for i, spec in enumerate(self.specs):
+            if spec == "task":
+                verdicts = [verify_safely(self.task, p, t, errors) for p, t in zip(problems, texts)]
+                parts.append([v.reward for v in verdicts])
+            else:
+                parts.append(self._call(i, problems, texts, errors, completion_ids))
+        out = []
+        for k in range(n):
+            mine = [column[k] for column in parts]
+            judged = [(w, r) for w, r in zip(self.weights, mine) if not math.isnan(r)]
+            reward = sum(w * r for w, r in judged)
+            if verdicts is not None:
+                verified, timed_out = verdicts[k].verified, verdicts[k].timed_out
+            else:
+                verified, timed_out = bool(judged) and all(r >= 1.0 for _, r in judged), False
+            out.append(Verdict(reward=float(reward), verified=verified, timed_out=timed_out, parts=tuple(mine)))
+        return out
+
+    def _call(self, i: int, problems, texts, errors, completion_ids) -> list[float]:
+        func, name, n = self.funcs[i], self.names[i], len(texts)
+        chat = [p.messages is not None for p in problems]
+        columns: dict[str, list] = {"answer": [p.answer for p in problems], "problem": list(problems),
+                                    "completion_ids": [list(c) for c in completion_ids] if completion_ids else
+                                    [[] for _ in texts]}
+        for key in {k for p in problems for k in p.columns}:
+            columns.setdefault(key, [p.columns.get(key) for p in problems])
+        prompts = [p.prompt for p in problems]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        try:
+            got = func(**_accepted(func, {"prompts": prompts, "completions": completions, **columns}))
+            return _floats(got, n, name)
+        except Exception as exc:  # the user's code: whatever it raises is named, never a dead process
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            said = (exc.args[0] if isinstance(exc, _BadShape) else
+                    f"reward function {name} raised {type(exc).__name__}: {exc}{where}") + \
+                f", on a batch of {n} completions (the first of problem {problems[0].prompt_id}: " \
+                f"{problems[0].question[:60]!r})"
+            if errors is None:
+                raise VerifierError(said) from None
+            errors.append(said)
+            return [0.0] * n
+
+
+class _BadShape(Exception):
+    """A reward function's answer that is not one float (or None) per completion."""
+
+
+def _floats(got: Any, n: int, name: str) -> list[float]:
+    try:
+        values = list(got)
+    except TypeError:
+        raise _BadShape(f"reward function {name} returned {type(got).__name__}, not a list of {n} floats") from None
+    if len(values) != n:
+        raise _BadShape(f"reward function {name} returned {len(values)} values for {n} completions")
+    out = []
+    for v in values:
+        if v is None:
+            out.append(math.nan)
+            continue
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise _BadShape(f"reward function {name} returned {v!r} ({type(v).__name__}), not a float or None") \
+                from None
+    return out
+
+
+def _accepted(func: Callable, columns: dict[str, list]) -> dict[str, list]:
+    """The keyword arguments ``func`` takes: all of them with ``**kwargs``, else those it names (TRL's functions
+    take ``**kwargs``; one written for this project alone may name just ``completions`` and ``answer``)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return columns
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return columns
+    named = {p.name for p in params}
+    return {k: v for k, v in columns.items() if k in named}
+
+
+def score(task: Task, problems: Sequence[Problem], texts: Sequence[str], errors: list[str] | None = None,
+          completion_ids: Sequence[Sequence[int]] | None = None) -> list[Verdict]:
+    """Verdicts of a batch: by the task's reward functions where it has them, else its verifier one by one."""
+    if isinstance(task, RewardedTask):
+        return task.score(problems, texts, errors, completion_ids)
+    return [verify_safely(task, p, t, errors) for p, t in zip(problems, texts)]

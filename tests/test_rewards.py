@@ -1,0 +1,160 @@
+"""Reward functions in TRL's shape (tasks/rewards.py): batched, with the row's columns as keyword arguments,
+weighted, abstaining with None; the success rule; each bad function one line naming it; the config's checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import cloudpickle
+import pytest
+
+from engine.config import ConfigError, load_run_config
+from tasks.base import Problem, VerifierError
+from tasks.dataset import DatasetConfig
+from tasks.jsonl import JsonlConfig
+from tasks.registry import make_task
+from tasks.rewards import RewardLoadError, exact_answer, load_reward
+
+REWARDS = '''
+def brief(prompts, completions, budget, **kwargs):
+    return [1.0 if len(c) <= b else 0.0 for c, b in zip(completions, budget)]
+
+def named_only(completions, answer):  # no **kwargs: gets only what it names
+    return [None if a == "4" else 0.5 for a in answer]
+
+def seen(prompts, completions, **kwargs):
+    return [float(len(kwargs["problem"]) == len(completions) and "completion_ids" in kwargs)] * len(completions)
+
+def boom(completions, **kwargs):
+    raise KeyError("budget")
+
+def short(completions, **kwargs):
+    return [1.0]
+
+def words(completions, **kwargs):
+    return ["yes"] * len(completions)
+'''
+
+
+@pytest.fixture
+def dataset_file(tmp_path, monkeypatch):
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "budget": 8 + i % 3} for i in range(1, 60)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return path
+
+
+def _task(path, funcs, weights=()):
+    return make_task(DatasetConfig(path=str(path), eval_fraction=0.2), funcs, weights)
+
+
+def test_the_reward_is_the_weighted_sum_of_the_functions_that_judged(dataset_file):
+    task = _task(dataset_file, ["task", "my_rewards:brief", "my_rewards:named_only"], [1.0, 0.5, 2.0])
+    problems = [task.problem(i) for i in range(3)]
+    texts = [f"It is {problems[0].answer}", f"The answer is {problems[1].answer} for sure", "99"]
+    verdicts = task.score(problems, texts)
+    for p, text, v in zip(problems, texts, verdicts):
+        brief = float(len(text) <= p.columns["budget"])
+        assert v.parts[1] == brief
+        assert math.isnan(v.parts[2]) if p.answer == "4" else v.parts[2] == 0.5  # None: abstained
+        assert v.reward == pytest.approx(v.parts[0] + 0.5 * brief + (0.0 if p.answer == "4" else 2.0 * 0.5))
+        assert v.verified == (v.parts[0] == 1.0)  # "task" decides the success, whatever the others say
+    assert verdicts[0].parts[0] == 1.0 and verdicts[2].parts[0] == 0.0
+    assert task.names == ["task", "brief", "named_only"]
+
+
+def test_without_the_task_a_success_is_full_marks_from_every_function_that_judged(dataset_file):
+    task = _task(dataset_file, ["my_rewards:named_only", "exact_answer"])
+    four, other = (Problem(prompt_id=i, task="dataset", question=f"{a} / 2?", answer=str(a)) for i, a in enumerate((4, 6)))
+    (v4, vo) = task.score([four, other], [four.answer, other.answer])
+    assert v4.verified and v4.reward == 1.0  # named_only abstained, exact_answer gave 1.0
+    assert not vo.verified and vo.reward == 1.5  # named_only gave 0.5: not full marks
+
+
+def test_functions_get_the_batch_with_problem_and_completion_ids(dataset_file):
+    task = _task(dataset_file, ["my_rewards:seen"])
+    problems = [task.problem(i) for i in range(4)]
+    assert [v.reward for v in task.score(problems, ["a"] * 4, completion_ids=[[1]] * 4)] == [1.0] * 4
+
+
+@pytest.mark.parametrize("name, said", [
+    ("boom", "reward function boom raised KeyError: 'budget' at "),
+    ("short", "reward function short returned 1 values for 3 completions"),
+    ("words", "reward function words returned 'yes' (str), not a float or None"),
+])
+def test_a_bad_function_is_one_line_naming_it_or_zero_with_the_line_counted(dataset_file, name, said):
+    task = _task(dataset_file, [f"my_rewards:{name}"])
+    problems = [task.problem(i) for i in range(3)]
+    with pytest.raises(VerifierError) as err:
+        task.score(problems, ["1", "2", "3"])
+    assert str(err.value).startswith(said) and "\n" not in str(err.value)
+    assert f"(the first of problem 0: {problems[0].question!r})" in str(err.value)
+    errors: list[str] = []
+    assert [v.reward for v in task.score(problems, ["1", "2", "3"], errors)] == [0.0] * 3
+    assert len(errors) == 1 and errors[0].startswith(said)
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("my_rewards:nope", "reward function 'my_rewards:nope': my_rewards has no function 'nope'"),
+    ("no_such_module:f", "reward function 'no_such_module:f': cannot import 'no_such_module' (ModuleNotFoundError"),
+    ("file:/no/such.pkl", "reward function file:/no/such.pkl: no such file"),
+    ("brief", "reward function 'brief': expected \"task\", 'exact_answer', \"module:function\" or \"file:PATH\""),
+])
+def test_a_function_that_does_not_load_is_one_line(dataset_file, spec, said):
+    with pytest.raises(RewardLoadError) as err:
+        _task(dataset_file, [spec])
+    assert str(err.value).startswith(said)
+
+
+def test_a_pickled_function_loads_from_its_file(tmp_path):
+    budget = 3
+    path = tmp_path / "f.pkl"
+    path.write_bytes(cloudpickle.dumps(lambda completions, **kw: [float(len(c) <= budget) for c in completions]))
+    func = load_reward(f"file:{path}")
+    assert func(prompts=["q", "q"], completions=["ab", "abcd"]) == [1.0, 0.0]
+
+
+def test_the_default_reward_is_the_task_itself(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i)}) for i in range(40)))
+    task = make_task(JsonlConfig(path=str(path)))
+    assert not hasattr(task, "names")  # no wrapper: the verifier is called as before
+
+
+def test_exact_answer_reads_the_one_answer_strictly():
+    chat = [{"role": "assistant", "content": "so it is 12"}]
+    got = exact_answer(["q"] * 5, ["12", "The answer is 12.", "2abc12x", chat, "12"], ["12", "12", "12", "12", ""])
+    assert got == [1.0, 1.0, 0.0, 1.0, None]
+
+
+@pytest.mark.parametrize("reward, said", [
+    ('funcs = []', 'reward.funcs: names no function'),
+    ('funcs = ["task", "exact_answer"]\nweights = [1.0]', "reward.weights: gives 1 weights for 2 reward functions"),
+    ('funcs = ["brief"]', "reward.funcs.0: 'brief': expected"),
+])
+def test_the_config_checks_the_reward_section(tmp_path, reward, said):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[[models]]\nname = "a"\narch = "gpt2"\ntokenizer = "gpt2"\n\n[objective]\nkind = "grpo"\n\n[reward]\n{reward}\n')
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert said in str(err.value) and str(err.value).startswith(str(path))
+
+
+def test_the_task_verifier_needs_an_answer_column(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[models]]\nname = "a"\narch = "gpt2"\ntokenizer = "gpt2"\n\n[objective]\nkind = "grpo"\n\n'
+                    '[task]\nkind = "dataset"\npath = "x.jsonl"\nanswer = ""\n')
+    with pytest.raises(ConfigError, match='reward.funcs: names "task", but task.answer = ""'):
+        load_run_config(path)
+
+
+def test_problems_carry_their_columns_on_the_wire():
+    import msgspec
+
+    p = Problem(prompt_id=1, task="t", question="q", answer="a", messages=[{"role": "user", "content": "q"}],
+                columns={"budget": 3, "tags": ["x"]})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=Problem) == p and p.prompt == p.messages
