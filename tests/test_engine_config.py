@@ -130,6 +130,18 @@ def test_arch_is_read_from_the_checkpoint_and_a_wrong_one_is_one_line(tmp_path):
         load_run_config(SMOKE, ["models.0.arch=''"])
 
 
+def test_a_checkpoint_samples_up_to_256_tokens_unless_the_config_says(tmp_path, capsys):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "c.toml"
+    path.write_text(f'[objective]\nkind = "grpo"\n\n[[models]]\nname = "a"\ncheckpoint = "{ckpt}"\n')
+    assert load_run_config(path).train.max_new_tokens == 256
+    assert "note: train.max_new_tokens = 256, the default when a model starts from a checkpoint" in \
+        capsys.readouterr().err
+    assert load_run_config(path, ["train.max_new_tokens=40"]).train.max_new_tokens == 40
+    assert load_run_config(SMOKE, [f"models.0.checkpoint='{ckpt}'", "models.0.arch=''"]).train.max_new_tokens == 6
+    assert load_run_config(SMOKE).train.max_new_tokens == 6 and "note:" not in capsys.readouterr().err
+
+
 def test_a_checkpoint_is_not_warm_started_unless_the_config_asks(tmp_path):
     from engine.prep.prepare import warm_start_steps
 

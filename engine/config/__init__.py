@@ -31,7 +31,26 @@ def config_from_tree(tree: dict, origin: Origin, check_machine: bool = True, qui
             kind = tree[section]["kind"]
             print(f"note: --set {section}.kind={kind}: ignoring {origin.file}'s {section} {', '.join(dropped)} "
                   f"(not a {kind} setting)", file=sys.stderr)
+    if (said := _pretrained_length(tree)) and not quiet:
+        print(said, file=sys.stderr)
     return validate(convert(tree, RunConfig, origin), origin, check_machine)
+
+
+PRETRAINED_MAX_NEW_TOKENS = 256  # TRL's max_completion_length: room for a pretrained model's worked answer
+
+
+def _pretrained_length(tree: dict) -> str | None:
+    """A run with a pretrained checkpoint and no ``train.max_new_tokens`` samples up to 256 tokens, not the
+    12 that fit the small from-scratch models' bare answers (a pretrained model works its answer out in
+    words, and a cap that cuts it off reads as a wrong answer). Returns the note said, or None."""
+    models, train = tree.get("models"), tree.get("train", {})
+    if not isinstance(models, list) or not isinstance(train, dict) or "max_new_tokens" in train:
+        return None
+    if not any(isinstance(m, dict) and m.get("checkpoint") for m in models):
+        return None
+    tree["train"] = {**train, "max_new_tokens": PRETRAINED_MAX_NEW_TOKENS}
+    return (f"note: train.max_new_tokens = {PRETRAINED_MAX_NEW_TOKENS}, the default when a model starts from a "
+            "checkpoint (12 for models built from scratch); set it to change")
 
 
 def _gym_shorthand(tree: dict) -> None:

@@ -76,7 +76,9 @@ class TrainSection(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)  # AdamW's (beta1, beta2)
     grad_clip: PosFloat = 1.0  # gradients are clipped to this global norm before each step
     warmup_steps: Annotated[int, Meta(ge=0)] = 0  # linear lr warm-up
-    max_new_tokens: PosInt = 12  # longest completion a generator samples (and evaluations: eval.max_new_tokens)
+    # longest completion a generator samples (and evaluations: eval.max_new_tokens); unset, 256 when a model
+    # starts from a checkpoint
+    max_new_tokens: PosInt = 12
     temperature: PosFloat = 1.0  # sampling temperature of the generators
     # a task's verifier (your reward function) that raises: "stop" ends the run cleanly, naming the exception, its
     # file and line and the problem; "zero" scores that completion 0 and counts it (metrics: reward_error)
