@@ -201,3 +201,35 @@ def test_launch_py_run_and_the_api_train_the_same_weights(tmp_path, engine_cache
     (cli_rewards, cli_weights), (api_rewards, api_weights) = trained("cli"), trained("api")
     assert len(cli_rewards) == 3 and cli_rewards == api_rewards
     assert cli_weights and cli_weights == api_weights
+
+
+def test_bad_reward_functions_and_datasets_are_one_line_naming_the_argument():
+    import datasets
+    import threading
+
+    rows = datasets.Dataset.from_list([{"prompt": f"{i} + 1", "answer": str(i + 1)} for i in range(40)])
+    lock = threading.Lock()
+    cases = [
+        (dict(reward_funcs=[3]), "Trainer(reward_funcs=...): entry 0 is 3 (int), not a function or a name"),
+        (dict(reward_funcs=[lambda completions, **kw: [lock.locked()] * len(completions)]),
+         "Trainer(reward_funcs=...): _lambda_ cannot be sent to the generator processes (TypeError"),
+        (dict(reward_funcs=["task", "exact_answer"], reward_weights=[1.0]),
+         "Trainer(reward_weights=[1.0]): reward.weights: gives 1 weights for 2 reward functions"),
+        (dict(reward_weights=["x"]), "Trainer(reward_weights=...): entry 0 is 'x', not a number"),
+        (dict(reward_funcs=["brief"]), "reward.funcs.0: 'brief': expected \"task\""),
+        (dict(train_dataset={"prompt": "1 + 1"}), "Trainer(train_dataset=...): expected a datasets.Dataset or a list "
+                                                  "of row dicts, got dict"),
+        (dict(train_dataset=rows, task={"prompt": "question"}), "Trainer(train_dataset=...): task.prompt = "
+                                                               "'question' is not one of its columns (prompt, answer)"),
+        (dict(train_dataset=rows, task={"kind": "countdown"}), "Trainer(train_dataset=...): the task is the dataset, "
+                                                              "but task={'kind': 'countdown'} names kind 'countdown'"),
+        (dict(train_dataset=rows, task={"answer": ""}), 'reward.funcs: names "task", but task.answer = ""'),
+        (dict(eval_dataset=rows), "Trainer(eval_dataset=...): needs a train_dataset too"),
+        (dict(train_dataset=datasets.DatasetDict({"train": rows})), "Trainer(train_dataset=...): a DatasetDict (train)"),
+    ]
+    for kwargs, said in cases:
+        with pytest.raises(ConfigError) as err:
+            Trainer(SMOKE, **kwargs)
+        assert said in str(err.value) and "\n" not in str(err.value), (kwargs, str(err.value))
+    trainer = Trainer(SMOKE, train_dataset=rows, reward_funcs=["task", "exact_answer"], reward_weights=[1, 0.5])
+    assert type(trainer.config.task).__name__ == "DatasetConfig" and trainer.config.reward.weights == [1.0, 0.5]
