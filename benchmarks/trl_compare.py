@@ -184,6 +184,7 @@ def trl_child(config_path: str, out_path: str) -> int:
     from engine.prep.evaluation import held_out_accuracy
     from policies.models import build_policy
     from tasks.registry import make_task
+    from tasks.rewards import TaskReward
     from tokenbridge import load_tokenizer
 
     cfg = load_run_config(config_path)
@@ -199,10 +200,9 @@ def trl_child(config_path: str, out_path: str) -> int:
     before = evaluate(f"{m.name} before TRL (held-out)")
     steps = t.steps if cfg.run.max_minutes >= 24 * 60 else 100_000
     n_prompts = min(steps, 5_000) * t.prompts_per_step
-    rows = [{"prompt": [{"role": "user", "content": task.problem(i).question}], "pid": i} for i in range(n_prompts)]
-
-    def reward(prompts, completions, pid, **_) -> list[float]:
-        return [task.verify(task.problem(p), c[-1]["content"]).reward for p, c in zip(pid, completions)]
+    rows = [{"prompt": [{"role": "user", "content": task.problem(i).question}], "prompt_id": i}
+            for i in range(n_prompts)]
+    reward = TaskReward(task)  # the task's verifier in TRL's shape: the same function the project's runs call
 
     budget_s = cfg.run.max_minutes * 60
 

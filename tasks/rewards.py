@@ -12,7 +12,8 @@ other column of a problem's row comes as a keyword argument with one value per c
 reference, where the task has one), ``problem`` (this project's ``Problem``) and ``completion_ids`` always, a
 dataset's own columns where it has them. A function without ``**kwargs`` gets only the arguments it names.
 
-``reward.funcs`` names them: ``"task"`` (the task's own verifier, the default), ``"exact_answer"`` (the
+``reward.funcs`` names them: ``"task"`` (the task's own verifier, the default: ``TaskReward``, which TRL's
+trainer takes too), ``"exact_answer"`` (the
 completion's one answer, read strictly, equal to the ``answer`` column), ``"module:function"`` (imported from
 the directory the run was launched from, or any installed module), or ``"file:PATH"`` (a function pickled
 with cloudpickle: ``mutual_rl.Trainer(reward_funcs=[f])`` writes these for functions defined in a script or a
@@ -43,7 +44,7 @@ def exact_answer(prompts, completions, answer, **_) -> list[float | None]:
     where both are plain ones, else as text), 0.0 where it does not, None where the row has no answer."""
     out: list[float | None] = []
     for completion, gold in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        text = _text(completion)
         if gold is None or str(gold).strip() == "":
             out.append(None)
             continue
@@ -58,6 +59,33 @@ def exact_answer(prompts, completions, answer, **_) -> list[float | None]:
 
 
 BUILT_IN: dict[str, RewardFunction] = {"exact_answer": exact_answer}
+
+
+class TaskReward:
+    """A task's own verifier as a reward function in TRL's shape (``"task"`` in ``reward.funcs``): it judges each
+    completion of ``problem`` (this project's rows carry it), or in TRL's own trainer of the task's training
+    problem ``prompt_id`` (a column of the dataset you give it), and keeps each verdict (a success, a time-out)."""
+
+    __name__ = "task"
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def __call__(self, prompts, completions, problem=None, prompt_id=None, **_) -> list[float]:
+        if problem is None:
+            if prompt_id is None:
+                raise TypeError("the task's reward needs a problem or a prompt_id column")
+            problem = [self.task.problem(int(i)) for i in prompt_id]
+        return [v.reward for v in self.verdicts(problem, [_text(c) for c in completions])]
+
+    def verdicts(self, problems: Sequence[Problem], texts: Sequence[str],
+                 errors: list[str] | None = None) -> list[Verdict]:
+        return [verify_safely(self.task, p, t, errors) for p, t in zip(problems, texts)]
+
+
+def _text(completion: str | list[dict[str, str]]) -> str:
+    """A completion's text, as TRL gives it: a string, or a chat completion's last turn."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 class RewardLoadError(ValueError):
@@ -152,7 +180,7 @@ class RewardedTask:
         parts: list[list[float]] = []
         for i, spec in enumerate(self.specs):
             if spec == "task":
-                verdicts = [verify_safely(self.task, p, t, errors) for p, t in zip(problems, texts)]
+                verdicts = TaskReward(self.task).verdicts(problems, texts, errors)
                 parts.append([v.reward for v in verdicts])
             else:
                 parts.append(self._call(i, problems, texts, errors, completion_ids))
@@ -236,4 +264,4 @@ def score(task: Task, problems: Sequence[Problem], texts: Sequence[str], errors:
     """Verdicts of a batch: by the task's reward functions where it has them, else its verifier one by one."""
     if isinstance(task, RewardedTask):
         return task.score(problems, texts, errors, completion_ids)
-    return [verify_safely(task, p, t, errors) for p, t in zip(problems, texts)]
+    return TaskReward(task).verdicts(problems, texts, errors)

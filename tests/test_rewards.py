@@ -158,3 +158,18 @@ def test_problems_carry_their_columns_on_the_wire():
     p = Problem(prompt_id=1, task="t", question="q", answer="a", messages=[{"role": "user", "content": "q"}],
                 columns={"budget": 3, "tags": ["x"]})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=Problem) == p and p.prompt == p.messages
+
+
+def test_the_tasks_verifier_is_a_reward_function_trl_can_call(tmp_path):
+    from tasks.arithmetic import ArithmeticConfig
+    from tasks.rewards import TaskReward
+
+    task = make_task(ArithmeticConfig())
+    reward = TaskReward(task)
+    problems = [task.problem(i) for i in range(3)]
+    chat = [[{"role": "assistant", "content": f" {p.answer}"}] for p in problems[:2]] + [[{"role": "assistant",
+                                                                                           "content": "no"}]]
+    # as TRL's GRPOTrainer calls it: prompts, completions, and the dataset's columns (here the problem's id)
+    assert reward(prompts=[p.question for p in problems], completions=chat, prompt_id=[0, 1, 2]) == [1.0, 1.0, 0.0]
+    assert reward.__name__ == "task"  # what TRL logs it under, as this project does
+    assert reward(prompts=[], completions=[" 1"], problem=[problems[0]]) == [float(problems[0].answer == "1")]
