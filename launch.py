@@ -6,6 +6,7 @@
     python launch.py report RUN_DIR...    report.md with plots of a run (several: overlaid)
     python launch.py monitor RUN_DIR      watch a run live in the browser (a finished one: replayed)
     python launch.py cache [--clear]      the cache of warm starts and converted tokenizers
+    python launch.py slurm --nodes N ...  the run on a Slurm allocation: its sbatch script (--dry-run: printed)
     python launch.py experiment GRID      a grid of runs (objectives x seeds x models x tasks) and its results
     python launch.py keys DIR             a CurveZMQ key pair, for an exchange beyond loopback
     python launch.py exchange tail ...    watch the live experience stream
@@ -25,8 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from mutual_rl import cli as training_cli
+    from mutual_rl import slurm
 
     training_cli.add_commands(sub)
+    slurm.add_command(sub)
     from exchange import cli as exchange_cli
 
     exchange_cli.add_commands(sub)
