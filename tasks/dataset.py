@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -118,6 +119,7 @@ class DatasetTask:
 
 def read_rows(path: str, split: str, key: str) -> list[dict[str, Any]]:
     """The rows of a local dataset file or save_to_disk folder; anything unreadable is one TaskFileError."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is looked up on the Hub
     try:
         import datasets
     except ImportError:
