@@ -22,7 +22,8 @@ def make_run_dir(requested: str | None) -> Path:
     """``runs/<timestamp>`` by default; an existing non-empty directory is refused, never overwritten."""
     path = Path(requested) if requested else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"--run-dir {path}: directory exists and is not empty; choose another")
+        raise FileExistsError(f"run directory {path} exists and is not empty; choose another (--run-dir, "
+                              "Trainer(run_dir=...))")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
