@@ -92,6 +92,10 @@ class Inputs:
         folder.mkdir(parents=True, exist_ok=True)
         for file, data in self.pickled.items():
             (folder / file).write_bytes(data)
+        if self.datasets:
+            import datasets
+
+            datasets.disable_progress_bars()  # a few hundred rows: the bars would outnumber the run's own lines
         for name, ds in self.datasets.items():
             ds.save_to_disk(str(folder / name))
 
