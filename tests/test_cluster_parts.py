@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from engine.runtime.cluster import KEY_NAME, ClusterError, client_keys, curve_server, from_env, node_of
+from engine.runtime.cluster import (KEY_NAME, ClusterError, client_keys, curve_server, from_env, interface_toward,
+                                    node_of)
 from engine.runtime.rundir import free_port
 from engine.weights.channel import WeightReader
 from engine.weights.relay import Relay, RelayWriter, WeightsHub
@@ -27,8 +28,14 @@ def test_one_machine_is_no_cluster_and_a_cluster_needs_one_launcher_per_node():
         from_env(env)
     with pytest.raises(ClusterError, match="no cluster.key there"):
         from_env({**env, "MUTUAL_RL_CLUSTER_KEYS": "/nonexistent"})
-    node = from_env({**env, "MUTUAL_RL_CLUSTER_INSECURE": "1"})
+    given = {**env, "MUTUAL_RL_CLUSTER_INSECURE": "1"}
+    node = from_env(given)
     assert (node.rank, node.nodes, node.master_addr, node.loopback) == (2, 3, "10.0.0.1", False)
+    # gloo speaks on the interface that reaches node 0, not the one this machine's name resolves to (often loopback)
+    assert given["GLOO_SOCKET_IFNAME"] == interface_toward("10.0.0.1") != "lo"
+    kept = {**env, "MUTUAL_RL_CLUSTER_INSECURE": "1", "GLOO_SOCKET_IFNAME": "ib0"}
+    from_env(kept)
+    assert kept["GLOO_SOCKET_IFNAME"] == "ib0"  # the user's choice stands
     with pytest.raises(ClusterError, match="--nproc-per-node 1"):
         from_env({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
     with pytest.raises(ClusterError, match="MASTER_ADDR"):

@@ -88,7 +88,20 @@ def from_env(environ=os.environ) -> Node | None:
         raise ClusterError(f"node 0's address {node.master_addr} is not loopback: set {KEYS}=DIR on every node "
                            f"(CurveZMQ on the engine's sockets; `python launch.py keys DIR --name {KEY_NAME}`), or "
                            f"{INSECURE}=1 if the network between them is private")
+    if not node.loopback and "GLOO_SOCKET_IFNAME" not in environ and (device := interface_toward(node.master_addr)):
+        # gloo otherwise takes the address this machine's name resolves to, which /etc/hosts often maps to
+        # 127.0.x.1: the other nodes would then dial their own loopback and wait until the time-out
+        environ["GLOO_SOCKET_IFNAME"] = device
     return node
+
+
+def interface_toward(host: str) -> str | None:
+    """The name of this machine's network interface that reaches ``host`` (None: not found)."""
+    import psutil
+
+    mine = address_toward(host)
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.address.split("%")[0] == mine for a in addrs)), None)
 
 
 def client_keys(keys: str) -> ClientKeys | None:
