@@ -16,16 +16,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set train.steps=50 (repeatable)")
     run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    _ray_arguments(run)
     run.set_defaults(handler=run_command)
     resume = sub.add_parser("resume", help="continue a stopped or crashed run from its checkpoints and experience log")
     resume.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (it holds config.toml)")
     resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change what may change mid-run, e.g. --set train.steps=800 to train longer: "
                              + ", ".join(f"{k}*" if k.endswith(".") else k for k in session.RESUMABLE))
+    _ray_arguments(resume)
     resume.set_defaults(handler=resume_command)
     cache = sub.add_parser("cache", help="show (or --clear) the cache of warm starts and converted tokenizers")
     cache.add_argument("--clear", action="store_true", help="delete the cache (it is rebuilt when needed)")
     cache.set_defaults(handler=cache_command)
+
+
+def _ray_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", metavar="ADDRESS", default="",
+                   help="place one launcher per node of this Ray cluster (host:port, or auto) with a placement group")
+    p.add_argument("--ray-nodes", type=int, default=0, metavar="N", help="with --ray: how many nodes (default: all)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -34,6 +42,8 @@ def run_command(args: argparse.Namespace) -> int:
     from engine.config import ConfigError, load_run_config
     from mutual_rl.trainer import Trainer
 
+    if args.ray:
+        return _on_ray(args, "run")
     node = _node()
     if node is not None and node.rank > 0:
         return session.serve_node(node)
@@ -51,12 +61,42 @@ def resume_command(args: argparse.Namespace) -> int:
     from engine.config import ConfigError
     from mutual_rl.trainer import resume
 
+    if args.ray:
+        return _on_ray(args, "resume")
     node = _node()
     if node is not None and node.rank > 0:
         return session.serve_node(node)
     try:
         return resume(args.run_dir, overrides=args.overrides, node=node).exit_code
     except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _on_ray(args: argparse.Namespace, command: str) -> int:
+    """``--ray``: the config checked here (one line, exit 2, nothing reserved), then a launcher on every node
+    (``mutual_rl.ray_launch``), each given the same command with absolute paths."""
+    import time
+    from pathlib import Path
+
+    from engine.config import ConfigError, load_run_config
+    from mutual_rl.ray_launch import RayPlacementError, run_on_ray
+
+    sets = [a for o in args.overrides for a in ("--set", o)]
+    try:
+        if command == "resume":
+            run_dir = Path(args.run_dir).resolve()
+            if not (run_dir / "config.toml").is_file():
+                raise ConfigError(f"{args.run_dir}: not a run directory (no config.toml)")
+            cfg, launch = load_run_config(run_dir / "config.toml", args.overrides), ["resume", str(run_dir), *sets]
+        else:
+            run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+            if run_dir.exists() and any(run_dir.iterdir()):
+                raise ConfigError(f"run directory {run_dir} exists and is not empty; choose another (--run-dir)")
+            cfg = load_run_config(args.config, args.overrides)
+            launch = ["run", "--config", str(Path(args.config).resolve()), "--run-dir", str(run_dir), *sets]
+        return run_on_ray(args.ray, args.ray_nodes, cfg, launch)
+    except (ConfigError, RayPlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,17 +24,22 @@ class Run:
     """``launch.py run`` in its own session (so a Ctrl-C reaches its whole process group, as in a terminal)."""
 
     def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml",
-                 node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None, report: bool = False):
-        """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster on loopback, started by torchrun
-        as on a real cluster (rendezvous at 127.0.0.1:port). ``report``: the run ends with its report (its plots
-        cost a few CPU-seconds a run; tests/test_resume.py checks a run's own, tests/test_report.py the rest)."""
+                 node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None, report: bool = False,
+                 machine: tuple[list[str], str] = ((), "127.0.0.1")):
+        """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster, started by torchrun as on a
+        real cluster (rendezvous at node 0's address:port). ``machine``: (a prefix that runs the launcher as on
+        another machine, node 0's address; tests/netns.py), loopback by default. ``report``: the run ends with its
+        report (its plots cost a few CPU-seconds a run; tests/test_resume.py checks a run's own,
+        tests/test_report.py the rest)."""
         self.run_dir = run_dir
         overrides = (*overrides, f"run.report={str(report).lower()}")
-        launcher = [sys.executable, str(ROOT / "launch.py")]
+        prefix, host = machine
+        launcher = [*prefix, sys.executable, str(ROOT / "launch.py")]
         if node is not None:
             nodes, rank, port = node
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
-                        "1", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}", str(ROOT / "launch.py")]
+            launcher = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                        "--nproc-per-node", "1", "--node-rank", str(rank), "--rdzv-endpoint", f"{host}:{port}",
+                        str(ROOT / "launch.py")]
         if cache is None:  # `launch.py resume RUN_DIR`: everything comes from the run directory
             args = [*launcher, "resume", str(run_dir)]
             for o in overrides:

@@ -1,0 +1,141 @@
+"""Two nodes that share nothing but a folder (tests/netns.py: each its own network namespace, address, /tmp and
+/dev/shm, joined by a veth pair), each launcher started by torchrun as on a real cluster, keys on as beyond
+loopback: a run across both trains to the end with nothing lost, and the loss of node 1 ends it in one line
+naming the node, with no process left on either side. No loopback or shared-memory shortcut can hide a
+cross-node bug here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from enginerun import ROOT, Run
+from netns import two_machines, why_not
+from raycluster import ray_cluster, raylet_of
+from raycluster import why_not as ray_why_not
+from test_engine_cluster import _killed
+
+from engine.runtime.cluster import KEY_NAME, KEYS
+from engine.runtime.rundir import free_port
+from exchange.security import make_keys
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(why_not() is not None, reason=f"no namespaces: {why_not()}")]
+
+
+@pytest.fixture
+def shared(engine_cache):
+    """The one folder both machines see (outside /tmp, which each has its own of): the run, the cache, the keys."""
+    folder = Path("/var/tmp") / f"mrl-namespaces-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(engine_cache, folder / "cache")
+    make_keys(folder / "keys", KEY_NAME)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _nodes(shared: Path, machines, *sets: str) -> tuple[Run, Run]:
+    port, env = free_port(), {KEYS: str(shared / "keys")}
+    (on0, addr0), (on1, _) = machines
+    node1 = Run(shared / "unused", shared / "cache", *sets, config="configs/pool.toml", node=(2, 1, port), env=env,
+                machine=(on1, addr0))
+    node0 = Run(shared / "run", shared / "cache", *sets, config="configs/pool.toml", node=(2, 0, port), env=env,
+                machine=(on0, addr0))
+    return node0, node1
+
+
+def test_namespace_nodes_train_to_the_end_over_the_veth_with_keys(shared):
+    with two_machines() as machines:
+        node0, node1 = _nodes(shared, machines, "pool.workers=4", "train.steps=10", "run.max_minutes=4")
+        assert node0.finish() == 0, node0.out[-3000:]
+        assert node1.finish() == 0, node1.out[-3000:]
+    assert "[cluster] 2 nodes" in node0.out and "[node1] serving the run" in node1.out
+    assert "tcp://10.77.0.1:" in (shared / "run" / "endpoints.json").read_text()  # node 0 listens on its veth
+    assert "refused a client" not in node0.out
+    result = node0.result()
+    assert result["steps"] == {"gpt2": 10, "llama": 10}
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    assert node0.leftover() == [] and node1.leftover() == []
+
+
+def test_the_loss_of_a_namespace_node_ends_the_run_in_one_line_naming_it(shared):
+    with two_machines() as machines:
+        node0, node1 = _nodes(shared, machines, "pool.workers=4", "train.steps=200", "run.max_minutes=4",
+                              "timeouts.node_silent_s=10")
+        node0.wait_steps(2)
+        _killed(node1)
+        assert node0.finish(timeout=300) != 0, node0.out[-3000:]
+    assert "node 1 (10.77.0.2) said nothing for 10s" in node0.out, node0.out[-3000:]
+    assert (shared / "run" / "FAILED").exists()
+    assert node0.leftover() == [] and node1.leftover() == []
+
+
+def _on_ray(on0, address: str, shared: Path, *args: str) -> subprocess.Popen:
+    """``launch.py ... --ray ADDRESS`` started on machine 0, as a user on the head node types it."""
+    return subprocess.Popen([*on0, sys.executable, str(ROOT / "launch.py"), *args, "--ray", address],
+                            cwd=ROOT, env={**os.environ, KEYS: str(shared / "keys")}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _lines_until(proc: subprocess.Popen, done, timeout_s: float) -> list[str]:
+    lines, deadline = [], time.time() + timeout_s
+    for line in proc.stdout:
+        lines.append(line)
+        if done(lines):
+            return lines
+        assert time.time() < deadline, "".join(lines[-60:])
+    raise AssertionError("the driver ended first:\n" + "".join(lines[-60:]))
+
+
+@pytest.mark.skipif(ray_why_not() is not None, reason=f"no Ray: {ray_why_not()}")
+def test_ray_places_a_launcher_a_node_stops_on_ctrl_c_and_resumes(shared):
+    sets = ["--set", f"run.cache_dir='{shared / 'cache'}'", "--set", "run.report=false", "--set", "pool.workers=4",
+            "--set", "run.max_minutes=4"]
+    with two_machines() as machines, ray_cluster(machines) as address:
+        (on0, _), _ = machines
+        driver = _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir",
+                         str(shared / "run"), *sets, "--set", "train.steps=300")
+        metrics = shared / "run" / "metrics.jsonl"
+        _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 4, 600)
+        os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
+        out = driver.communicate(timeout=300)[0]
+        assert driver.returncode == 130, out[-3000:]
+        assert "[ray] 2 launchers placed, one a node; node 0 at 10.77.0.1 coordinates" in out
+        assert "stopped by SIGINT" in (shared / "run" / "INTERRUPTED").read_text()
+        steps = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"event": "step"' in line)
+        again = _on_ray(on0, address, shared, "resume", str(shared / "run"), "--set", f"train.steps={steps + 4}")
+        out = again.communicate(timeout=600)[0]
+        assert again.returncode == 0, out[-3000:]
+    result = json.loads((shared / "run" / "run_result.json").read_text())
+    assert result["steps"] == {"gpt2": steps + 4, "llama": steps + 4}, out[-3000:]
+    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+    assert "[node1] serving the run" in out  # node 1's launcher, placed by Ray on machine 1
+
+
+@pytest.mark.skipif(ray_why_not() is not None, reason=f"no Ray: {ray_why_not()}")
+def test_ray_a_lost_node_ends_the_run_in_one_line_and_nothing_is_left(shared):
+    before = {p.pid for p in psutil.process_iter()}
+    with two_machines() as machines, ray_cluster(machines) as address:
+        (on0, _), (_, addr1) = machines
+        driver = _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir",
+                         str(shared / "run"), "--set", f"run.cache_dir='{shared / 'cache'}'", "--set",
+                         "run.report=false", "--set", "pool.workers=4", "--set", "train.steps=300", "--set",
+                         "timeouts.node_silent_s=10")
+        metrics = shared / "run" / "metrics.jsonl"
+        _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 2, 600)
+        raylet_of(addr1).kill()  # node 1 is lost: its raylet, and with it its actor and its launcher
+        out = driver.communicate(timeout=300)[0]
+        assert driver.returncode != 0, out[-3000:]
+        assert f"node 1 ({addr1}) said nothing for 10s" in out, out[-3000:]
+        assert (shared / "run" / "FAILED").exists()
+    time.sleep(1)
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+            and "launch.py" in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [p.info["cmdline"] for p in left]
