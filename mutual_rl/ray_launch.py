@@ -143,4 +143,6 @@ def _launch_and_wait(ray, group, strategy, nodes: int, launch_args: list[str]) -
                 ray.kill(actor)
     finally:
         signal.signal(signal.SIGINT, previous)
+        for actor in actors:  # done: gone now, before their placement group is (which would make them say so)
+            ray.kill(actor)
     return code

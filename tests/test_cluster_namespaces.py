@@ -103,11 +103,13 @@ def test_ray_places_a_launcher_a_node_stops_on_ctrl_c_and_resumes(shared):
         driver = _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir",
                          str(shared / "run"), *sets, "--set", "train.steps=300")
         metrics = shared / "run" / "metrics.jsonl"
-        _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 4, 600)
+        seen = _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 4,
+                            600)
         os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
-        out = driver.communicate(timeout=300)[0]
+        out = "".join(seen) + driver.communicate(timeout=300)[0]
         assert driver.returncode == 130, out[-3000:]
         assert "[ray] 2 launchers placed, one a node; node 0 at 10.77.0.1 coordinates" in out
+        assert "Traceback" not in out, out[-3000:]
         assert "stopped by SIGINT" in (shared / "run" / "INTERRUPTED").read_text()
         steps = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"event": "step"' in line)
         again = _on_ray(on0, address, shared, "resume", str(shared / "run"), "--set", f"train.steps={steps + 4}")
@@ -129,9 +131,10 @@ def test_ray_a_lost_node_ends_the_run_in_one_line_and_nothing_is_left(shared):
                          "run.report=false", "--set", "pool.workers=4", "--set", "train.steps=300", "--set",
                          "timeouts.node_silent_s=10")
         metrics = shared / "run" / "metrics.jsonl"
-        _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 2, 600)
+        seen = _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 2,
+                            600)
         raylet_of(addr1).kill()  # node 1 is lost: its raylet, and with it its actor and its launcher
-        out = driver.communicate(timeout=300)[0]
+        out = "".join(seen) + driver.communicate(timeout=300)[0]
         assert driver.returncode != 0, out[-3000:]
         assert f"node 1 ({addr1}) said nothing for 10s" in out, out[-3000:]
         assert (shared / "run" / "FAILED").exists()
