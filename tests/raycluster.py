@@ -29,7 +29,8 @@ def ray_cluster(machines, cpus: int = 3, timeout_s: float = 120.0):
     """Yields the head's address (host:port); both nodes' Ray processes are gone at the end."""
     (on0, addr0), (on1, addr1) = machines
     quiet = ["--disable-usage-stats", f"--num-cpus={cpus}", "--num-gpus=0"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # no memory monitor: in a sandbox without cgroup memory figures it warns every 5 s, and nothing here needs it
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0"}
     before = {p.pid for p in psutil.process_iter()}
     try:
         subprocess.run([*on0, RAY, "start", "--head", f"--node-ip-address={addr0}", f"--port={PORT}",
