@@ -9,11 +9,18 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import uuid
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def why_not() -> str | None:
     """Why two namespaces cannot be made here (None: they can)."""
+    if Path("/tmp") in (ROOT, *ROOT.parents) or Path("/tmp") in Path(sys.executable).resolve().parents:
+        return f"the checkout ({ROOT}) or Python lies under /tmp, which each machine has its own of"
     if os.geteuid() != 0:
         return "network and mount namespaces need root"
     if shutil.which("ip") is None or shutil.which("unshare") is None:

@@ -64,4 +64,4 @@ def _is_ray(p: psutil.Process) -> bool:
         cmd = " ".join(p.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    return any(k in cmd for k in ("ray/core/src", "raylet", "gcs_server", "ray/_private", "ray::", "default_worker"))
+    return "/ray/" in cmd or any(k in cmd for k in ("raylet", "gcs_server", "ray::", "default_worker"))

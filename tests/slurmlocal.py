@@ -70,7 +70,8 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 KillWait=60
-NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory} State=UNKNOWN
+SlurmdParameters=config_overrides
+NodeName={host} NodeAddr=127.0.0.1 CPUs={max(os.cpu_count(), 16)} RealMemory={memory} State=UNKNOWN
 PartitionName=local Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
     env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
@@ -102,9 +103,17 @@ def job_state(env: dict, job: str) -> str:
 
 
 def wait_job(env: dict, job: str, timeout_s: float) -> str:
-    """The job's end state (COMPLETED, FAILED, CANCELLED, ...), waited for."""
+    """The job's end state (COMPLETED, FAILED, CANCELLED, ...), waited for; a job Slurm will never start (it asks
+    for more than the node has) fails at once, saying why."""
     ends = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    _wait(lambda: job_state(env, job) in ends, timeout_s, f"job {job} did not end")
+
+    def ended() -> bool:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        if "Reason=PartitionConfig" in shown or "Reason=BadConstraints" in shown:
+            raise AssertionError(f"job {job} can never start here: {shown.split('Reason=')[1].split()[0]}")
+        return job_state(env, job) in ends
+
+    _wait(ended, timeout_s, f"job {job} did not end")
     return job_state(env, job)
 
 
