@@ -39,62 +39,75 @@ def _ray_arguments(p: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """``launch.py run``: the config read with its ``--set`` changes, then ``Trainer(config).train()``; bad input
     is one line on stderr and exit 2, nothing written."""
-    from engine.config import ConfigError, load_run_config
+    from engine.config import load_run_config
     from mutual_rl.trainer import Trainer
 
     if args.ray:
         return _on_ray(args, "run")
+    return _on_this_machine(lambda node: Trainer(load_run_config(args.config, args.overrides),
+                                                 run_dir=args.run_dir).train(node=node).exit_code)
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
+    from mutual_rl.trainer import resume
+
+    if args.ray:
+        return _on_ray(args, "resume")
+    return _on_this_machine(lambda node: resume(args.run_dir, overrides=args.overrides, node=node).exit_code)
+
+
+def _on_this_machine(start) -> int:
+    """``start(node)`` on node 0 (or alone); a torchrun node other than 0 serves node 0's run instead. A bad
+    config is one line and exit 2, and the other nodes are told to go."""
+    from engine.config import ConfigError
+
     node = _node()
     if node is not None and node.rank > 0:
         return session.serve_node(node)
     try:
-        trainer = Trainer(load_run_config(args.config, args.overrides), run_dir=args.run_dir)
-        return trainer.train(node=node).exit_code
+        return start(node)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         session.refuse_nodes(node)
         return 2
 
 
-def resume_command(args: argparse.Namespace) -> int:
-    """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
-    from engine.config import ConfigError
-    from mutual_rl.trainer import resume
+def placed_run(config: str, run_dir: str | None, resume: str, overrides: list[str], resume_flag: str = ""):
+    """The config and absolute run directory of a run that a cluster engine (Ray, Slurm) is about to start:
+    ``resume`` names a stopped run (its own config.toml, with ``overrides``), otherwise ``config`` with
+    ``overrides`` into ``run_dir`` (default runs/<timestamp>), which must be new or empty. Bad input is a
+    ConfigError naming the argument (``resume_flag``, when it has one), raised before anything is reserved."""
+    import time
+    from pathlib import Path
 
-    if args.ray:
-        return _on_ray(args, "resume")
-    node = _node()
-    if node is not None and node.rank > 0:
-        return session.serve_node(node)
-    try:
-        return resume(args.run_dir, overrides=args.overrides, node=node).exit_code
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    from engine.config import ConfigError, load_run_config
+
+    if resume:
+        path = Path(resume).resolve()
+        if not (path / "config.toml").is_file():
+            raise ConfigError(f"{resume_flag}{resume}: not a run directory (no config.toml)")
+        return load_run_config(path / "config.toml", overrides), path
+    path = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"run directory {path} exists and is not empty; choose another (--run-dir)")
+    return load_run_config(config, overrides), path
 
 
 def _on_ray(args: argparse.Namespace, command: str) -> int:
     """``--ray``: the config checked here (one line, exit 2, nothing reserved), then a launcher on every node
     (``mutual_rl.ray_launch``), each given the same command with absolute paths."""
-    import time
     from pathlib import Path
 
-    from engine.config import ConfigError, load_run_config
+    from engine.config import ConfigError
     from mutual_rl.ray_launch import RayPlacementError, run_on_ray
 
     sets = [a for o in args.overrides for a in ("--set", o)]
+    resuming = args.run_dir if command == "resume" else ""
     try:
-        if command == "resume":
-            run_dir = Path(args.run_dir).resolve()
-            if not (run_dir / "config.toml").is_file():
-                raise ConfigError(f"{args.run_dir}: not a run directory (no config.toml)")
-            cfg, launch = load_run_config(run_dir / "config.toml", args.overrides), ["resume", str(run_dir), *sets]
-        else:
-            run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-            if run_dir.exists() and any(run_dir.iterdir()):
-                raise ConfigError(f"run directory {run_dir} exists and is not empty; choose another (--run-dir)")
-            cfg = load_run_config(args.config, args.overrides)
-            launch = ["run", "--config", str(Path(args.config).resolve()), "--run-dir", str(run_dir), *sets]
+        cfg, run_dir = placed_run(getattr(args, "config", ""), args.run_dir, resuming, args.overrides)
+        launch = (["resume", str(run_dir), *sets] if resuming else
+                  ["run", "--config", str(Path(args.config).resolve()), "--run-dir", str(run_dir), *sets])
         return run_on_ray(args.ray, args.ray_nodes, cfg, launch)
     except (ConfigError, RayPlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)

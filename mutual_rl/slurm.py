@@ -14,7 +14,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -48,17 +47,11 @@ class SlurmError(ValueError):
 
 
 def slurm_command(args: argparse.Namespace) -> int:
-    from engine.config import ConfigError, load_run_config
+    from engine.config import ConfigError
+    from mutual_rl.cli import placed_run
 
     try:
-        if args.resume:
-            run_dir = Path(args.resume).resolve()
-            if not (run_dir / "config.toml").is_file():
-                raise SlurmError(f"--resume {args.resume}: not a run directory (no config.toml)")
-            cfg = load_run_config(run_dir / "config.toml", args.overrides)
-        else:
-            cfg = load_run_config(args.config, args.overrides)
-            run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        cfg, run_dir = placed_run(args.config, args.run_dir, args.resume, args.overrides, "--resume ")
         script = render(args, cfg, run_dir)
         if args.dry_run:
             print(script, end="")

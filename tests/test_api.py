@@ -71,16 +71,24 @@ def _check_example_run(out: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("api_example")  # one after the other: the second reads the first's warm start
-def test_the_docs_example_runs_as_written_from_a_script(tmp_path, engine_cache):
-    """A TRL-signature function from the script's own __main__, with a column of the dataset's, and the task's
-    check, on a datasets.Dataset of chat prompts with a system prompt: two models end to end."""
-    resumed = """
-from mutual_rl import resume
-again = resume(result.run_dir, quiet=True, **{"train.steps": 14})  # the pickled function and dataset, re-read
-print("RESUMED", json.dumps({"status": again.status, "steps": {m: v.steps for m, v in again.models.items()}}))
-"""
-    proc = _script(tmp_path, docs_example() + CHECK_RUN + resumed, _as_a_user(tmp_path, engine_cache))
+def test_the_docs_example_runs_as_written_inside_a_running_event_loop_and_resumes(tmp_path, engine_cache):
+    """As a notebook runs a cell: the example's code at the top level of __main__, the kernel's loop running (a
+    plain script is the easier case: the run goes on this thread). A TRL-signature function from __main__, with a
+    column of the dataset's, and the task's check, on a datasets.Dataset of chat prompts with a system prompt: two
+    models end to end; then ``resume`` re-reads the pickled function and dataset and trains two steps more."""
+    cell = docs_example() + CHECK_RUN
+    proc = _script(tmp_path, f"""
+        import asyncio, json
+
+        async def kernel():
+            asyncio.get_running_loop()  # what the API sees in a notebook
+            exec({cell!r}, globals())
+
+        asyncio.run(kernel())
+        from mutual_rl import resume
+        again = resume(result.run_dir, quiet=True, **{{"train.steps": 14}})
+        print("RESUMED", json.dumps({{"status": again.status, "steps": {{m: v.steps for m, v in again.models.items()}}}}))
+    """, _as_a_user(tmp_path, engine_cache))
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-3000:]
     said = _check_example_run(out)
@@ -88,25 +96,6 @@ print("RESUMED", json.dumps({"status": again.status, "steps": {m: v.steps for m,
     assert again == {"status": "finished", "steps": {"gpt2": 14, "llama": 14}}, out[-3000:]
     steps = [json.loads(line) for line in (Path(said["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("event") == "step" and "rewards/brief/mean" in r for r in steps) == 28
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("api_example")
-def test_the_docs_example_runs_as_written_inside_a_running_event_loop(tmp_path, engine_cache):
-    """As a notebook runs a cell: the example's code at the top level of __main__, the kernel's loop running."""
-    cell = docs_example() + CHECK_RUN
-    proc = _script(tmp_path, f"""
-        import asyncio
-
-        async def kernel():
-            asyncio.get_running_loop()  # what the API sees in a notebook
-            exec({cell!r}, globals())
-
-        asyncio.run(kernel())
-    """, _as_a_user(tmp_path, engine_cache))
-    out = proc.communicate(timeout=900)[0]
-    assert proc.returncode == 0, out[-3000:]
-    _check_example_run(out)
 
 
 @pytest.mark.slow

@@ -139,19 +139,20 @@ def test_sync_mode_generates_step_k_with_the_weights_of_step_k(tmp_path, engine_
 
 
 def test_mwra_moves_workers_after_the_costs_swap(tmp_path, engine_cache):
-    """The run goes on until MWRA has moved a worker after the costs swap (30 s into the RL phase), however long
-    this machine takes to get there (the wait fails past 10 minutes), then stops with its checkpoints."""
+    """The run goes on until MWRA has moved a worker after the costs swap (30 s into the RL phase, on the clock of
+    the cost model, which starts with the first allocation, before the learners have loaded), however long this
+    machine takes to get there (the wait fails past 5 minutes), then stops with its checkpoints."""
     run = _pool_run(tmp_path, engine_cache, "run.max_minutes=12", "pool.costs.1.from_s=30",
                     "pool.controller={decision_interval_s = 2.0, cooldown_s = 4.0, min_dwell_s = 6.0, "
                     "ewma_halflife_s = 3.0, min_busy_s = 0.5}")
 
     def late_moves() -> list[dict]:
         records = run.records()
-        starts = [r["time"] for r in records if r.get("event") == "start"]
-        return [r for r in records if starts and r.get("kind") == "mwra_decision" and r["acted"]
-                and r["time"] > min(starts) + 30]
+        clock = [r["time"] for r in records if r.get("event") == "allocation"]
+        return [r for r in records if clock and r.get("kind") == "mwra_decision" and r["acted"]
+                and r["time"] > clock[0] + 30]
 
-    run.wait_for(late_moves, "an MWRA move after the swap of the costs", timeout=600)
+    run.wait_for(late_moves, "an MWRA move after the swap of the costs", timeout=300)
     run.signal(signal.SIGTERM)
     assert run.finish() == 143, run.out[-3000:]
     result = run.result()

@@ -149,13 +149,13 @@ def test_the_task_registry_makes_each_kind_and_refuses_what_it_does_not_know():
     from tasks.base import register_task
     from tasks.registry import CountdownConfig, make_task, task_names
 
-    assert task_names() == ["arithmetic", "countdown", "jsonl", "python", "rg"]
+    assert task_names() == ["arithmetic", "countdown", "dataset", "jsonl", "python", "rg"]
     assert make_task(CountdownConfig()).name == "countdown"
 
     class OtherConfig(msgspec.Struct, tag="other", tag_field="kind"):
         pass
 
-    with pytest.raises(TypeError, match="registered tasks: arithmetic, countdown, jsonl, python, rg"):
+    with pytest.raises(TypeError, match="registered tasks: arithmetic, countdown, dataset, jsonl, python, rg"):
         make_task(OtherConfig())
     with pytest.raises(ValueError, match="already registered"):
         register_task("countdown", CountdownConfig)(object)

@@ -108,7 +108,7 @@ class EvalSection(_Section):
 class CostPhase(_Section):
     """A modelled compute budget (benchmarks): worker-seconds per sample from ``from_s`` on."""
 
-    from_s: Annotated[float, Meta(ge=0)] = 0.0  # seconds into the run from which this phase's costs hold
+    from_s: Annotated[float, Meta(ge=0)] = 0.0  # seconds after the first allocation (the RL phase) from which these hold
     gen_s: dict[str, PosFloat] = {}  # model -> worker-seconds to generate one sample
     train_s: dict[str, PosFloat] = {}  # model -> worker-seconds to train on one sample
 
