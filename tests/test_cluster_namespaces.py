@@ -44,28 +44,40 @@ def shared(engine_cache):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _nodes(shared: Path, machines, *sets: str) -> tuple[Run, Run]:
+def _nodes(shared: Path, machines, *sets: str, resume: bool = False) -> tuple[Run, Run]:
+    """Node 0's launcher and node 1's, each by torchrun on its machine: ``run`` (or ``resume`` of the run)."""
     port, env = free_port(), {KEYS: str(shared / "keys")}
     (on0, addr0), (on1, _) = machines
-    node1 = Run(shared / "unused", shared / "cache", *sets, config="configs/pool.toml", node=(2, 1, port), env=env,
-                machine=(on1, addr0))
-    node0 = Run(shared / "run", shared / "cache", *sets, config="configs/pool.toml", node=(2, 0, port), env=env,
+    cache = None if resume else shared / "cache"  # a resume takes everything from the run directory
+    node1 = Run(shared / ("run" if resume else "unused"), cache, *sets, config="configs/pool.toml",
+                node=(2, 1, port), env=env, machine=(on1, addr0))
+    node0 = Run(shared / "run", cache, *sets, config="configs/pool.toml", node=(2, 0, port), env=env,
                 machine=(on0, addr0))
     return node0, node1
 
 
-def test_namespace_nodes_train_to_the_end_over_the_veth_with_keys(shared):
+def test_namespace_nodes_stop_on_ctrl_c_and_resume_to_the_end_over_the_veth_with_keys(shared):
+    """Ctrl-C on node 0 (torchrun passes it on) stops both nodes with checkpoints; ``launch.py resume`` started by
+    torchrun on both machines, as ``run`` was, trains to the end with nothing lost."""
     with two_machines() as machines:
         node0, node1 = _nodes(shared, machines, "pool.workers=4", "train.steps=10", "run.max_minutes=4")
-        assert node0.finish() == 0, node0.out[-3000:]
-        assert node1.finish() == 0, node1.out[-3000:]
-    assert "[cluster] 2 nodes" in node0.out and "[node1] serving the run" in node1.out
+        node0.wait_steps(2)
+        node0.signal(signal.SIGINT)  # a terminal's Ctrl-C reaches torchrun, which passes it to the launcher
+        assert node0.finish(timeout=300) != 0, node0.out[-3000:]
+        node1.finish(timeout=300)  # its agent was told to stop (torchrun's own exit barrier may then fail: its code)
+        assert "[cluster] 2 nodes" in node0.out and "[node1] serving the run" in node1.out
+        marker = (shared / "run" / "INTERRUPTED").read_text()
+        assert re.search(r"checkpoints and final evaluations: gpt2 at step \d+, llama at step \d+$", marker), marker
+        assert node0.leftover() == [] and node1.leftover() == []
+        resumed = _nodes(shared, machines, "train.steps=10", resume=True)
+        assert [r.finish() for r in resumed] == [0, 0], resumed[0].out[-3000:] + resumed[1].out[-3000:]
     assert "tcp://10.77.0.1:" in (shared / "run" / "endpoints.json").read_text()  # node 0 listens on its veth
-    assert "refused a client" not in node0.out
-    result = node0.result()
-    assert result["steps"] == {"gpt2": 10, "llama": 10}
+    assert "refused a client" not in node0.out + resumed[0].out
+    result = resumed[0].result()
+    assert result["steps"] == {"gpt2": 10, "llama": 10} and result["respawned"] == []
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
-    assert node0.leftover() == [] and node1.leftover() == []
+    assert any(r.get("event") == "resumed" for r in resumed[0].records())
+    assert resumed[0].leftover() == [] and resumed[1].leftover() == []
 
 
 def test_the_loss_of_a_namespace_node_ends_the_run_in_one_line_naming_it(shared):
