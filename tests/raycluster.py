@@ -28,9 +28,11 @@ def why_not() -> str | None:
 def ray_cluster(machines, cpus: int = 3, timeout_s: float = 120.0):
     """Yields the head's address (host:port); both nodes' Ray processes are gone at the end."""
     (on0, addr0), (on1, addr1) = machines
-    quiet = ["--disable-usage-stats", f"--num-cpus={cpus}", "--num-gpus=0"]
-    # no memory monitor: in a sandbox without cgroup memory figures it warns every 5 s, and nothing here needs it
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0"}
+    quiet = ["--disable-usage-stats", f"--num-cpus={cpus}", "--num-gpus=0", "--object-store-memory=100000000"]
+    # no memory monitor: in a sandbox without cgroup memory figures it warns every 5 s, and nothing here needs it;
+    # no idle Python workers started ahead (each imports Ray: CPU the suite's other tests need), a small object store
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0",
+           "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
     before = {p.pid for p in psutil.process_iter()}
     try:
         subprocess.run([*on0, RAY, "start", "--head", f"--node-ip-address={addr0}", f"--port={PORT}",

@@ -71,14 +71,18 @@ def _check_example_run(out: str) -> dict:
 
 
 @pytest.mark.slow
-def test_the_docs_example_runs_as_written_inside_a_running_event_loop_and_resumes(tmp_path, engine_cache):
-    """As a notebook runs a cell: the example's code at the top level of __main__, the kernel's loop running (a
-    plain script is the easier case: the run goes on this thread). A TRL-signature function from __main__, with a
-    column of the dataset's, and the task's check, on a datasets.Dataset of chat prompts with a system prompt: two
-    models end to end; then ``resume`` re-reads the pickled function and dataset and trains two steps more."""
+def test_the_docs_example_runs_as_written_from_a_script_and_inside_a_running_event_loop(tmp_path, engine_cache):
+    """The example as a script runs it (the run goes on this thread), then as a notebook runs a cell (its code at
+    the top level of __main__, the kernel's loop running: the run goes on a thread of its own), in one process.
+    A TRL-signature function from __main__, with a column of the dataset's, and the task's check, on a
+    datasets.Dataset of chat prompts with a system prompt: two models end to end each time; then ``resume``
+    re-reads the first run's pickled function and dataset and trains two steps more."""
     cell = docs_example() + CHECK_RUN
     proc = _script(tmp_path, f"""
         import asyncio, json
+
+        exec({cell!r}, globals())  # as a script
+        first = result.run_dir
 
         async def kernel():
             asyncio.get_running_loop()  # what the API sees in a notebook
@@ -86,15 +90,17 @@ def test_the_docs_example_runs_as_written_inside_a_running_event_loop_and_resume
 
         asyncio.run(kernel())
         from mutual_rl import resume
-        again = resume(result.run_dir, quiet=True, **{{"train.steps": 14}})
+        again = resume(first, quiet=True, **{{"train.steps": 14}})
         print("RESUMED", json.dumps({{"status": again.status, "steps": {{m: v.steps for m, v in again.models.items()}}}}))
     """, _as_a_user(tmp_path, engine_cache))
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-3000:]
-    said = _check_example_run(out)
+    script_said = _check_example_run(out)
+    loop_said = _check_example_run(out.split("RESULT ", 1)[1])
+    assert loop_said["run_dir"] != script_said["run_dir"]
     again = json.loads(out.split("RESUMED ", 1)[1].splitlines()[0])
     assert again == {"status": "finished", "steps": {"gpt2": 14, "llama": 14}}, out[-3000:]
-    steps = [json.loads(line) for line in (Path(said["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (Path(script_said["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("event") == "step" and "rewards/brief/mean" in r for r in steps) == 28
 
 

@@ -69,8 +69,11 @@ def test_two_nodes_on_loopback_train_together_under_mwra(tmp_path, engine_cache)
     assert result["steps"] == {"gpt2": 14, "llama": 14}
     assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
     assert [r for r in records if r.get("kind") == "mwra_decision"], "MWRA never decided"
-    scripted = [r for r in records if r.get("event") == "assign" and r["reason"].startswith("scripted")]
-    assert [r["changes"] for r in scripted] == [{"w2": ["learner", "gpt2"]}]
+    # w2 joins gpt2's group by the script, or by MWRA first where this machine is slow enough (the script is a
+    # no-op then): either way a group spans both nodes
+    scripted = [r["changes"] for r in records if r.get("event") == "assign" and r["reason"].startswith("scripted")]
+    assert scripted in ([{"w2": ["learner", "gpt2"]}], []), scripted
+    assert any(r.get("event") == "assign" and r["changes"].get("w2") == ["learner", "gpt2"] for r in records)
     for f in result["formations"]:  # every rank of every formation, on either node, holds rank 0's exact state
         assert len(set(f["digests"].values())) == 1, f
     node_of = {w: 0 if w in ("w0", "w1", "w2") else 1 for f in result["formations"] for w in f["digests"]}
