@@ -120,7 +120,7 @@ class Run:
         """Processes of this run still alive after it ended (waits for stragglers up to 10 s)."""
         deadline = time.time() + 10
         while True:
-            alive = [p for p in self.seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            alive = [p for p in self.seen if is_alive(p)]
             if not alive or time.time() > deadline:
                 return alive
             time.sleep(0.2)
@@ -137,3 +137,11 @@ class Run:
 
     def result(self) -> dict:
         return json.loads((self.run_dir / "run_result.json").read_text())
+
+
+def is_alive(pid: int) -> bool:
+    """Running and not a zombie (a process that ends while it is looked at is not alive)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from enginerun import ROOT, Run
+from enginerun import ROOT, Run, is_alive
 from netns import two_machines, why_not
 from raycluster import ray_cluster, raylet_of
 from raycluster import why_not as ray_why_not
@@ -157,5 +157,5 @@ def test_ray_a_lost_node_ends_the_run_in_one_line_and_nothing_is_left(shared):
         assert (shared / "run" / "FAILED").exists()
     time.sleep(1)
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before and str(shared) in
-            " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE]  # this run's, on either node
+            " ".join(p.info["cmdline"] or []) and is_alive(p.pid)]  # this run's, on either node
     assert left == [], [p.info["cmdline"] for p in left]
