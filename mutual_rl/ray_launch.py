@@ -113,10 +113,21 @@ def _bundle(cfg, nodes: int) -> dict[str, float]:
     return bundle
 
 
+def _driver_node_first(ray, group, nodes: int) -> list[int]:
+    """The group's bundle indices, the one on the driver's own Ray node first: node 0 (the coordinator, which
+    writes the run directory) then runs where the user typed the command, and the driver's node is never the
+    one whose loss leaves the driver cut off from a coordinator that still runs."""
+    from ray.util import placement_group_table
+
+    here = ray.get_runtime_context().get_node_id()
+    on = placement_group_table(group).get("bundles_to_node_id", {})
+    return sorted(range(nodes), key=lambda i: on.get(i) != here)
+
+
 def _launch_and_wait(ray, group, strategy, nodes: int, launch_args: list[str]) -> int:
     launcher = _launcher_class()
     actors = [launcher.options(scheduling_strategy=strategy(placement_group=group, placement_group_bundle_index=i),
-                               name=None).remote() for i in range(nodes)]
+                               name=None).remote() for i in _driver_node_first(ray, group, nodes)]
     host, port = ray.get(actors[0].address.remote())
     shared = {k: os.environ[k] for k in FORWARDED if k in os.environ}
     torchrun = {"WORLD_SIZE": str(nodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": str(port)}
