@@ -109,52 +109,52 @@ def _lines_until(proc: subprocess.Popen, done, timeout_s: float) -> list[str]:
     raise AssertionError("the driver ended first:\n" + "".join(lines[-60:]))
 
 
-@pytest.mark.skipif(ray_why_not() is not None, reason=f"no Ray: {ray_why_not()}")
-def test_ray_places_a_launcher_a_node_stops_on_ctrl_c_and_resumes(shared):
-    sets = ["--set", f"run.cache_dir='{shared / 'cache'}'", "--set", "run.report=false", "--set", "pool.workers=4",
-            "--set", "run.max_minutes=4"]
-    with two_machines() as machines, ray_cluster(machines) as address:
-        (on0, _), _ = machines
-        driver = _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir",
-                         str(shared / "run"), *sets, "--set", "train.steps=300")
-        metrics = shared / "run" / "metrics.jsonl"
-        seen = _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 4,
-                            600)
-        os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
-        out = "".join(seen) + driver.communicate(timeout=300)[0]
-        assert driver.returncode == 130, out[-3000:]
-        assert re.search(r"\[ray\] 2 launchers placed, one a node; node 0 at 10\.77\.0\.1 coordinates", out)
-        assert "Traceback" not in out, out[-3000:]
-        assert "stopped by SIGINT" in (shared / "run" / "INTERRUPTED").read_text()
-        steps = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"event": "step"' in line)
-        again = _on_ray(on0, address, shared, "resume", str(shared / "run"), "--set", f"train.steps={steps + 4}")
-        out = again.communicate(timeout=600)[0]
-        assert again.returncode == 0, out[-3000:]
-    result = json.loads((shared / "run" / "run_result.json").read_text())
-    assert result["steps"] == {"gpt2": steps + 4, "llama": steps + 4}, out[-3000:]
-    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
-    assert "[node1] serving the run" in out  # node 1's launcher, placed by Ray on machine 1
+def _ray_run(on0, address: str, shared: Path, run_dir: Path, *sets: str) -> subprocess.Popen:
+    return _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir", str(run_dir),
+                   "--set", f"run.cache_dir='{shared / 'cache'}'", "--set", "run.report=false", "--set",
+                   "pool.workers=4", "--set", "run.max_minutes=4", "--set", "train.steps=300", *sets)
+
+
+def _steps_seen(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.read_text().count('"event": "step"') if metrics.exists() else 0
 
 
 @pytest.mark.skipif(ray_why_not() is not None, reason=f"no Ray: {ray_why_not()}")
-def test_ray_a_lost_node_ends_the_run_in_one_line_and_nothing_is_left(shared):
+def test_ray_places_a_launcher_a_node_stops_on_ctrl_c_resumes_and_a_lost_node_ends_a_run_in_one_line(shared):
+    """One two-node Ray cluster: a run stopped by Ctrl-C at the driver and resumed to the end with nothing lost;
+    then a second run whose other node's raylet is killed: one line naming the node, nothing left on either side."""
     before = {p.pid for p in psutil.process_iter()}
     with two_machines() as machines, ray_cluster(machines) as address:
         (on0, addr0), (_, addr1) = machines
-        driver = _on_ray(on0, address, shared, "run", "--config", str(ROOT / "configs/pool.toml"), "--run-dir",
-                         str(shared / "run"), "--set", f"run.cache_dir='{shared / 'cache'}'", "--set",
-                         "run.report=false", "--set", "pool.workers=4", "--set", "train.steps=300", "--set",
-                         "timeouts.node_silent_s=10")
-        metrics = shared / "run" / "metrics.jsonl"
-        seen = _lines_until(driver, lambda _: metrics.exists() and metrics.read_text().count('"event": "step"') >= 2,
-                            600)
-        assert f"node 0 at {addr0} coordinates" in "".join(seen)  # on the driver's own node
+        run = shared / "run"
+        driver = _ray_run(on0, address, shared, run)
+        seen = _lines_until(driver, lambda _: _steps_seen(run) >= 2, 600)
+        os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
+        out = "".join(seen) + driver.communicate(timeout=300)[0]
+        assert driver.returncode == 130, out[-3000:]
+        assert f"[ray] 2 launchers placed, one a node; node 0 at {addr0} coordinates" in out  # the driver's node
+        assert "Traceback" not in out, out[-3000:]
+        assert "stopped by SIGINT" in (run / "INTERRUPTED").read_text()
+        steps = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                    if '"event": "step"' in line)
+        again = _on_ray(on0, address, shared, "resume", str(run), "--set", f"train.steps={steps + 2}")
+        out = again.communicate(timeout=600)[0]
+        assert again.returncode == 0, out[-3000:]
+        assert "[node1] serving the run" in out  # node 1's launcher, placed by Ray on machine 1
+        result = json.loads((run / "run_result.json").read_text())
+        assert result["steps"] == {"gpt2": steps + 2, "llama": steps + 2}, out[-3000:]
+        assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
+
+        lost = shared / "lost"
+        driver = _ray_run(on0, address, shared, lost, "--set", "timeouts.node_silent_s=10")
+        seen = _lines_until(driver, lambda _: _steps_seen(lost) >= 2, 600)
         raylet_of(addr1).kill()  # the other node is lost: its raylet, and with it its actor and its launcher
         out = "".join(seen) + driver.communicate(timeout=300)[0]
         assert driver.returncode != 0, out[-3000:]
         assert f"node 1 ({addr1}) said nothing for 10s" in out, out[-3000:]
-        assert (shared / "run" / "FAILED").exists()
+        assert (lost / "FAILED").exists()
     time.sleep(1)
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before and str(shared) in
-            " ".join(p.info["cmdline"] or []) and is_alive(p.pid)]  # this run's, on either node
+            " ".join(p.info["cmdline"] or []) and is_alive(p.pid)]  # this test's, on either node
     assert left == [], [p.info["cmdline"] for p in left]

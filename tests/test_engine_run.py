@@ -345,7 +345,7 @@ def test_a_reward_function_that_raises_is_named_once_and_stops_or_scores_zero(tm
     tree = tomllib.loads((ROOT / "configs/smoke.toml").read_text())
     tree["task"] = {"kind": "python", "factory": "flaky_task:make"}
     (tmp_path / "flaky.toml").write_text(tomli_w.dumps(tree))
-    run = Run(tmp_path / "run", tmp_path / "cache", "warmstart.steps=0",
+    run = Run(tmp_path / "run", tmp_path / "cache", "warmstart.steps=0", "train.steps=4",
               f"train.reward_errors='{mode}'", config=str(tmp_path / "flaky.toml"), env={"PYTHONPATH": str(tmp_path)})
     code = run.finish()
     said = re.findall(r"the task's verifier raised KeyError: 'no reward for \d*3?' at (\S+):(\d+) \(in verify\), "
@@ -353,7 +353,7 @@ def test_a_reward_function_that_raises_is_named_once_and_stops_or_scores_zero(tm
     assert "Traceback" not in run.out and len(said) == 1, run.out[-3000:]
     assert said[0] == (str(tmp_path / "flaky_task.py"), "11")  # the line of its raise
     if mode == "zero":
-        assert code == 0 and run.result()["steps"] == {"gpt2": 12, "llama": 12}, run.out[-3000:]
+        assert code == 0 and run.result()["steps"] == {"gpt2": 4, "llama": 4}, run.out[-3000:]
         assert sum(r["completions"] for r in run.events("reward_error")) > 0
         assert run.result()["audit"]["lost"] == 0
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import model_spec, tokenizer_cache
+from engine.config import model_spec
 from engine.runtime.metrics import MetricsWriter
 from engine.runtime.tbevents import EventWriter
 from engine.train import checkpoint
@@ -30,7 +30,6 @@ from exchange.protocol import Experience
 from exchange.transport import Subscriber
 from policies.models import build_policy, pad_token_id
 from policies.objectives import peer_need
-from tokenbridge import load_tokenizer
 
 MAX_INGEST_BATCH = 256  # experiences bridged at once: bounds how long one ingest holds the event loop
 
@@ -90,8 +89,7 @@ class LearnerCore:
         if self.sub is not None:
             return
         w = self.worker
-        cache = tokenizer_cache(self.cfg)
-        peers = {n: load_tokenizer(self.cfg.model(n).tokenizer, cache) for n in self.peers}
+        peers = {n: w.tokenizer(n) for n in self.peers}
         self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id)
         self.ingest.consumed.update(self.consumed)
         self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}",

@@ -161,14 +161,19 @@ class Worker:
         or in a resumed run from the checkpoint (its learner publishes that version before any work)."""
         if model not in self.policies:
             m = self.cfg.model(model)
-            if model not in self._tokenizers:
-                self._tokenizers[model] = load_tokenizer(m.tokenizer, tokenizer_cache(self.cfg))
-            tok = self._tokenizers[model]
+            tok = self.tokenizer(model)
             resume = self.resume.get(model, self.plan.resume.get(model))  # a learner restarted in the run: its own
             module = start_module(self.cfg, m, tok, self.plan.warm_checkpoints[model], resume)
             module = module.to(self.device)
             self.policies[model] = Policy(tok, module)
         return self.policies[model]
+
+    def tokenizer(self, model: str):
+        """A model's tokenizer, loaded once a process (a load parses a few MB of JSON: each role, each peer's
+        inbox and each role switch would otherwise load it again)."""
+        if model not in self._tokenizers:
+            self._tokenizers[model] = load_tokenizer(self.cfg.model(model).tokenizer, tokenizer_cache(self.cfg))
+        return self._tokenizers[model]
 
     def plan_channel(self, model: str) -> Path:
         """The directory of ``model``'s weight channel."""
