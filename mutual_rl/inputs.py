@@ -93,9 +93,9 @@ class Inputs:
         for file, data in self.pickled.items():
             (folder / file).write_bytes(data)
         if self.datasets:
-            import datasets
+            from tasks.dataset import quiet_datasets
 
-            datasets.disable_progress_bars()  # a few hundred rows: the bars would outnumber the run's own lines
+            quiet_datasets()
         for name, ds in self.datasets.items():
             ds.save_to_disk(str(folder / name))
 

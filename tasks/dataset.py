@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -117,6 +118,19 @@ class DatasetTask:
         return problem.answer
 
 
+def quiet_datasets() -> None:
+    """No progress bars from ``datasets`` (a few hundred rows: they would outnumber a run's own lines), and
+    tqdm's lock a thread lock: tqdm makes its bars, and a lock shared across processes, even when they are
+    disabled, and in a process forked from the actor server that lock is a named semaphore, which the process
+    left behind for multiprocessing to warn of as leaked at the end of the user's script."""
+    import datasets
+    import tqdm
+
+    datasets.disable_progress_bars()
+    if "_lock" not in vars(tqdm.tqdm):
+        tqdm.tqdm.set_lock(threading.RLock())
+
+
 def read_rows(path: str, split: str, key: str) -> list[dict[str, Any]]:
     """The rows of a local dataset file or save_to_disk folder; anything unreadable is one TaskFileError."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is looked up on the Hub
@@ -125,7 +139,7 @@ def read_rows(path: str, split: str, key: str) -> list[dict[str, Any]]:
     except ImportError:
         raise TaskFileError(f"{key} = {path!r}: reading a dataset needs the datasets package "
                             "(pip install -c constraints.txt -e '.[datasets]')") from None
-    datasets.disable_progress_bars()
+    quiet_datasets()
     where = Path(path)
     try:
         if where.is_dir():
