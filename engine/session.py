@@ -125,12 +125,14 @@ def refuse_nodes(node) -> None:
             pass
 
 
-def start_actor_server() -> None:
+def start_actor_server(cfg=None) -> None:
     """The actors' fork server: it loads torch and transformers, this process never does (the pre-flight's
-    tokenizers load in a fork of it: ``preflight``)."""
+    tokenizers load in a fork of it: ``preflight``); with ``cfg``, the run's tokenizers too, for every actor
+    (``engine.runtime.preload``)."""
     from engine.runtime import actors
+    from engine.runtime.preload import spec_for
 
-    actors.start_server()
+    actors.start_server(None if cfg is None else spec_for(cfg))
 
 
 def stop_actor_server() -> None:
@@ -174,7 +176,6 @@ def prepare_resume(run_dir, overrides: list[str]):
     train again. A run that cannot resume is the one line that says why (a str), nothing changed."""
     if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
         return f"{run_dir}: not a run directory (no config.toml)"
-    start_actor_server()
     from engine.config import ConfigError, load_run_config
     from engine.runtime.metrics import MetricsWriter
     from engine.runtime.rundir import write_resolved_config
@@ -187,6 +188,7 @@ def prepare_resume(run_dir, overrides: list[str]):
                 raise ConfigError(f"--set {key}: a resumed run keeps what it trained with; only "
                                   f"{', '.join(RESUMABLE)} may change")
         cfg = load_run_config(str(run_dir / "config.toml"), overrides)
+        start_actor_server(cfg)
         preflight(cfg, forked=True)
     except (ConfigError, OSError) as exc:
         stop_actor_server()

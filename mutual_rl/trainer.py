@@ -89,7 +89,7 @@ class Trainer:
         ``node``: node 0 of a torchrun cluster (``launch.py run`` passes it; ``engine.session.this_node``)."""
         from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
 
-        session.start_actor_server()  # a config refused in __init__ cost no second interpreter
+        session.start_actor_server(self.config)  # a config refused in __init__ cost no second interpreter
         run_dir = None
         try:
             if not self.inputs.any:  # refused before anything is written

@@ -4,6 +4,7 @@ leaves with ``os._exit``."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import msgspec
@@ -64,3 +65,58 @@ def test_the_last_message_of_an_actor_reaches_the_coordinator(tmp_path):
     worker, msg, code = asyncio.run(main())
     assert worker == "w-last" and isinstance(msg, LearnerFinal) and code == 0
     assert msg.queued_prompt_ids == [1, 2] and len(msg.checkpoint) == BIG
+
+
+PRELOAD_PROBE = """
+import time
+
+from engine.config import tokenizer_cache
+
+
+def in_a_fork(cfg):
+    from tokenbridge.loading import _PRELOADED, load_tokenizer
+    from tokenbridge.profile import _PROFILES
+
+    started = time.process_time()
+    toks = [load_tokenizer(m.tokenizer, tokenizer_cache(cfg)) for m in cfg.models]
+    return {"preloaded": sorted(name for name, _ in _PRELOADED), "same": all(
+        t is _PRELOADED[(m.tokenizer, tokenizer_cache(cfg))] for t, m in zip(toks, cfg.models)),
+        "profiled": all(t in _PROFILES for t in toks), "load_cpu_s": time.process_time() - started}
+"""
+PRELOAD_CHECK = """
+import json, sys
+from engine.config import load_run_config
+from engine.runtime import actors
+from engine.runtime.preload import spec_for
+from probe import in_a_fork
+
+cfg = load_run_config("configs/smoke.toml", [f"run.cache_dir='{sys.argv[1]}'", *sys.argv[2:]])
+actors.start_server(spec_for(cfg))
+print("RESULT", json.dumps(actors.call_forked(in_a_fork, cfg)))
+actors.stop_server()
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter and its fork server (~8 s of CPU)
+def test_the_fork_server_loads_the_runs_tokenizers_once_for_every_actor(tmp_path):
+    """Each fork gets the run's tokenizers (and, for a run of several models, their profiles) from the server:
+    no actor parses them again. A tokenizer the server could not load is the actor's to load (and to name)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "check.py"
+    script.write_text(PRELOAD_CHECK)
+    (tmp_path / "probe.py").write_text(PRELOAD_PROBE)  # what the fork runs: a module's (a script's is not reloaded)
+    run = lambda *sets: subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), *sets], cwd=root,  # noqa: E731
+                                       capture_output=True, text=True, timeout=300)
+    out = run()
+    said = json.loads(out.stdout.split("RESULT ", 1)[1]) if "RESULT " in out.stdout else out.stdout + out.stderr
+    assert said["preloaded"] == ["gpt2", "mistral"] and said["same"] and said["profiled"], said
+    assert said["load_cpu_s"] < 0.05, said  # a dict look-up each; a load takes 0.3 s of CPU here
+    absent = tmp_path / "absent"
+    absent.mkdir()  # a directory with no tokenizer: the server skips it, the actor's own load says why
+    out = run(f"models.1.tokenizer='{absent}'")
+    assert out.returncode != 0 and f"directory {absent} holds no tokenizer" in out.stderr, out.stderr[-2000:]
+    assert "TokenizerLoadError" in out.stderr  # raised in the fork, re-raised here: the server went on serving

@@ -78,65 +78,20 @@ def _check_split_kept(session: list[dict], split: dict[str, list[str]]) -> None:
 
 
 @pytest.mark.slow
-def test_a_stopped_then_killed_run_resumes_where_it_stopped_and_trains_longer(tmp_path, engine_cache):
-    """SIGTERM at step 3 (the launcher stops with checkpoints), resume, SIGKILL of the launcher alone
-    after a new checkpoint (its workers must notice and leave on their own), resume again: the run ends
-    where an uninterrupted one ends. Then the finished run, resumed with more steps, trains only the new prompts.
+def test_a_run_stopped_twice_and_killed_resumes_each_time_where_it_stopped_and_trains_longer(tmp_path, engine_cache):
+    """One run, five sessions (each kind of stop once; one run, not one each, for the suite's time):
+    1. a double Ctrl-C at llama's step 2, before any checkpoint (run.checkpoint_every = 6): final checkpoints
+       skipped, INTERRUPTED, exit 130, resumable;
+    2. resumed: from the warm start, the logged samples trained; SIGTERM: it stops with checkpoints, exit 143;
+    3. resumed: each model from the step it stopped at; SIGKILL of the launcher alone after a new checkpoint (its
+       workers must notice and leave on their own, and remove its socket folder);
+    4. resumed: the run ends where an uninterrupted one ends, every prompt trained once by each lineage;
+    5. the finished run resumed with more steps trains only the new prompts.
     The two generators swap models at gpt2's step 1 (scripted): every resumed session starts from the swapped
     split, and the script does not fire again."""
-    steps = 2 * STEPS  # room to kill the second session after its first checkpoint (step 4) and before its end
+    steps = 18  # room for a periodic checkpoint (step 6 or 12) after the SIGTERM and before the end
     swap = script(("gpt2", 1, "w0", "generator", "llama"), ("gpt2", 1, "w1", "generator", "gpt2"))
-    run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=2", swap)
-    run.wait_steps(3, "llama", timeout=900)
-    run.signal(signal.SIGTERM)
-    assert run.finish() == 143, run.out[-3000:]
-    stopped = {r["model"]: r["step"] for r in run.events("final")}
-    swapped = {"w0": ["generator", "llama"], "w1": ["generator", "gpt2"], "w2": ["learner", "gpt2"],
-               "w3": ["learner", "llama"]}
-    assert json.loads((run.run_dir / "allocation.json").read_text())["assignment"] == swapped
-    assert len([r for r in run.events("assign") if "scripted" in r["reason"]]) == 2
-
-    second = Run(run.run_dir, None)
-    second.wait_for(lambda: all(
-        any("checkpoint" in r and r["step"] > stopped[m] for r in _session(second.records(), 1)
-            if r.get("event") == "step" and r["model"] == m) for m in ("gpt2", "llama")),
-        "a checkpoint of each model after the resume", timeout=900)
-    resumes = [r for r in _session(second.records(), 1) if r.get("event") == "resume" and "gen_model" in r]
-    assert {r["gen_model"]: r["step"] for r in resumes} == stopped  # each model went on from where it stopped
-    assert any(r.get("event") == "resumed" and "SIGTERM" in json.dumps(r) for r in second.records())
-    _check_split_kept(_session(second.records(), 1), swapped)
-    second.track()
-    # The coordinator's weight channels, read while it lives: once it is killed, any run that starts on the host
-    # (a parallel worker's of the suite too) may remove them first (tests/test_engine_weights.py checks that sweep).
-    orphans = [d for d in glob.glob(f"/dev/shm/mutual-rl-{run.run_dir.name}-*")
-               if Path(d, "owner.pid").is_file() and Path(d, "owner.pid").read_text() == str(second.proc.pid)]
-    assert orphans
-    os.kill(second.proc.pid, signal.SIGKILL)
-    second.finish()
-    assert second.leftover() == [], "a killed launcher left processes behind"
-
-    third = Run(run.run_dir, None, report=True)
-    _check_resumed(third, steps)
-    assert "[resume] gpt2: from step" in third.out and "logged samples to replay" in third.out
-    assert "[resume] workers take the roles they had when the run stopped: w0 generator:llama" in third.out
-    _check_split_kept(_session(third.records(), 2), swapped)
-    assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
-
-    records = third.records()
-    longer = Run(run.run_dir, None, f"train.steps={steps + 2}")  # a finished run, resumed to train longer
-    assert longer.finish() == 0, longer.out[-3000:]
-    assert longer.result()["steps"] == {"gpt2": steps + 2, "llama": steps + 2}
-    assert longer.result()["audit"]["lost"] == 0 and longer.result()["audit"]["duplicates"] == 0
-    extra = [r for r in longer.records()[len(records):] if r.get("event") == "step" and r["model"] == "gpt2"]
-    assert sorted(p for r in extra for p in r["prompts"]) == list(range(steps * Q, (steps + 2) * Q))
-
-
-@pytest.mark.slow
-def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(tmp_path, engine_cache):
-    """A double Ctrl-C at step 2 (final checkpoints skipped: INTERRUPTED, exit 130, resumable), then a SIGKILL of
-    the launcher at step 2 of the resumed session, both before any checkpoint (run.checkpoint_every = 50): each
-    resume starts from the warm start and trains the logged samples, and the run ends as an uninterrupted one."""
-    run = Run(tmp_path / "run", engine_cache, f"train.steps={STEPS}")
+    run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=6", swap)
     run.wait_steps(2, "llama", timeout=900)
     run.signal(signal.SIGINT)
     run.wait_for(lambda: "SIGINT during the run: stopping" in run.out, "the first Ctrl-C's line")
@@ -144,23 +99,61 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(t
     assert run.finish() == 130, run.out[-3000:]
     assert not (run.run_dir / "FAILED").exists() and "not trained (kept in the log: a resume trains them)" in run.out
     assert "a second SIGINT skipped them; `launch.py resume" in (run.run_dir / "INTERRUPTED").read_text()
+    assert not [r for r in run.steps("gpt2") + run.steps("llama") if "checkpoint" in r]
     assert run.leftover() == []
+    swapped = {"w0": ["generator", "llama"], "w1": ["generator", "gpt2"], "w2": ["learner", "gpt2"],
+               "w3": ["learner", "llama"]}
+    assert json.loads((run.run_dir / "allocation.json").read_text())["assignment"] == swapped
+    assert len([r for r in run.events("assign") if "scripted" in r["reason"]]) == 2
 
     second = Run(run.run_dir, None)
-    second.wait_for(lambda: len(_session(second.records(), 1)) and any(
-        r.get("event") == "step" and r["step"] >= 2 for r in _session(second.records(), 1)), "2 resumed steps")
+    second.wait_for(lambda: any(r.get("event") == "step" and r["step"] >= 2 for r in _session(second.records(), 1)),
+                    "2 resumed steps")
     assert "[resume] gpt2: from the warm start (no checkpoint yet)" in second.out
-    second.track()
-    sockets = [d for d in glob.glob(f"{tempfile.gettempdir()}/mrl-*")
-               if Path(d, "owner.pid").is_file() and Path(d, "owner.pid").read_text() == str(second.proc.pid)]
-    assert len(sockets) == 1  # its ipc sockets' folder, which only its launcher removes in a run that ends
-    os.kill(second.proc.pid, signal.SIGKILL)
-    second.finish()
-    assert second.leftover() == [], "a killed launcher left processes behind"
+    _check_split_kept(_session(second.records(), 1), swapped)
+    second.signal(signal.SIGTERM)
+    assert second.finish() == 143, second.out[-3000:]
+    stopped = {r["model"]: r["step"] for r in _session(second.records(), 1) if r.get("event") == "final"}
+    assert set(stopped) == {"gpt2", "llama"}
+
+    third = Run(run.run_dir, None)
+    third.wait_for(lambda: all(
+        any("checkpoint" in r and r["step"] > stopped[m] for r in _session(third.records(), 2)
+            if r.get("event") == "step" and r["model"] == m) for m in ("gpt2", "llama")),
+        "a checkpoint of each model after the resume", timeout=900)
+    resumes = [r for r in _session(third.records(), 2) if r.get("event") == "resume" and "gen_model" in r]
+    assert {r["gen_model"]: r["step"] for r in resumes} == stopped  # each model went on from where it stopped
+    assert any(r.get("event") == "resumed" and "SIGTERM" in json.dumps(r) for r in third.records())
+    _check_split_kept(_session(third.records(), 2), swapped)
+    third.track()
+    # The coordinator's weight channels and its ipc sockets' folder, read while it lives: once it is killed, any run
+    # that starts on the host (a parallel worker's of the suite too) may remove the channels first
+    # (tests/test_engine_weights.py checks that sweep); only its launcher removes the sockets in a run that ends.
+    owned = [d for pattern in (f"/dev/shm/mutual-rl-{run.run_dir.name}-*", f"{tempfile.gettempdir()}/mrl-*")
+             for d in glob.glob(pattern)
+             if Path(d, "owner.pid").is_file() and Path(d, "owner.pid").read_text() == str(third.proc.pid)]
+    orphans = [d for d in owned if d.startswith("/dev/shm/")]
+    sockets = [d for d in owned if not d.startswith("/dev/shm/")]
+    assert orphans and len(sockets) == 1
+    os.kill(third.proc.pid, signal.SIGKILL)
+    third.finish()
+    assert third.leftover() == [], "a killed launcher left processes behind"
     assert not os.path.exists(sockets[0]), "a killed launcher's socket folder was left behind"
 
-    third = Run(run.run_dir, None, report=True)
-    _check_resumed(third)
+    fourth = Run(run.run_dir, None, report=True)
+    _check_resumed(fourth, steps)
+    assert "[resume] gpt2: from step" in fourth.out and "logged samples to replay" in fourth.out
+    assert "[resume] workers take the roles they had when the run stopped: w0 generator:llama" in fourth.out
+    _check_split_kept(_session(fourth.records(), 3), swapped)
+    assert not [p for p in orphans if os.path.exists(p)], "the next run did not remove a dead run's shared memory"
+
+    records = fourth.records()
+    longer = Run(run.run_dir, None, f"train.steps={steps + 2}")  # a finished run, resumed to train longer
+    assert longer.finish() == 0, longer.out[-3000:]
+    assert longer.result()["steps"] == {"gpt2": steps + 2, "llama": steps + 2}
+    assert longer.result()["audit"]["lost"] == 0 and longer.result()["audit"]["duplicates"] == 0
+    extra = [r for r in longer.records()[len(records):] if r.get("event") == "step" and r["model"] == "gpt2"]
+    assert sorted(p for r in extra for p in r["prompts"]) == list(range(steps * Q, (steps + 2) * Q))
 
 
 @pytest.mark.slow

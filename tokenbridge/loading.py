@@ -216,6 +216,25 @@ def _load_directory(path: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
+# Tokenizers this process was given before it forked its workers (`preload_tokenizer`): each fork has them
+# without loading them again. Only a process that preloads fills it, so no other caller shares an object.
+_PRELOADED: dict[tuple[str, str | None], PreTrainedTokenizerFast] = {}
+
+
+def preload_tokenizer(
+    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+) -> PreTrainedTokenizerFast:
+    """`load_tokenizer`, kept: this process's later loads of the same name and cache, and those of its
+    forks, return this object (a load parses megabytes of JSON: 0.3 s for GPT-2's, 2 s for Qwen2's)."""
+    tok = load_tokenizer(name_or_path, cache_dir)
+    _PRELOADED[_preload_key(name_or_path, cache_dir)] = tok
+    return tok
+
+
+def _preload_key(name_or_path, cache_dir) -> tuple[str, str | None]:
+    return str(name_or_path), None if cache_dir is None else str(cache_dir)
+
+
 def load_tokenizer(
     name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None
 ) -> PreTrainedTokenizerFast:
@@ -224,6 +243,8 @@ def load_tokenizer(
     cache_dir: where converted built-ins are kept (default `default_cache_dir()`); unused for directories.
     Raises TokenizerLoadError naming the name or path when nothing can be loaded. Never touches the network.
     """
+    if (preloaded := _PRELOADED.get(_preload_key(name_or_path, cache_dir))) is not None:
+        return preloaded
     key = str(name_or_path)
     if key in _BUILTINS:
         return _load_builtin(key, cache_dir)

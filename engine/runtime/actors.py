@@ -32,29 +32,46 @@ from pathlib import Path
 _CTX = mp.get_context("forkserver")
 # What every actor imports: loaded once, in the fork server (an import that fails there is only skipped).
 _CTX.set_forkserver_preload(["engine.roles.worker", "engine.prep.prepare", "engine.prep.warmstart",
-                             "engine.prep.evaluation", "engine.runtime.hub", "tokenbridge.loading", "uvloop"])
+                             "engine.prep.evaluation", "engine.runtime.hub", "tokenbridge.loading", "uvloop",
+                             "engine.runtime.preload"])  # last: the run's tokenizers (its docstring)
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 DRAIN_ZMQ_S = 3.0  # how long an exiting actor lets ZeroMQ send what it holds (the worker plane's linger is 2 s)
 
 
-def start_server() -> None:
+def start_server(preload: str | None = None) -> None:
     """Start the fork server now (it loads torch and the roles in the background, beside whatever
-    this process does next); the first ``spawn`` otherwise starts it and waits for it.
+    this process does next); the first ``spawn`` otherwise starts it and waits for it. ``preload``: what
+    it also loads for a run (``engine.runtime.preload.spec_for``); nothing when it is running already.
 
     The server and every fork of it ignore SIGINT and SIGTERM from birth (an ignored disposition
     survives fork and exec): a Ctrl-C or a scheduler's SIGTERM to the process group is the
     coordinator's to handle, and a server killed by one would take every actor with it."""
     if threading.current_thread() is not threading.main_thread():
-        with _main_left_out():
+        with _main_left_out(), _preloading(preload):
             forkserver.ensure_running()  # signal dispositions can only be changed from the main thread
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
     try:  # a stop signal in these few milliseconds is dropped: the server is started once per process
-        with _main_left_out():
+        with _main_left_out(), _preloading(preload):
             forkserver.ensure_running()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _preloading(preload: str | None):
+    """``preload`` in the environment the server starts with, and only there (it is this process's)."""
+    from engine.runtime.preload import ENV
+
+    if preload is None:
+        yield
+        return
+    os.environ[ENV] = preload
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
 
 
 @contextlib.contextmanager
