@@ -220,30 +220,6 @@ def test_a_pause_of_the_whole_machine_is_not_silence(tmp_path, engine_cache):
     assert run.result()["steps"] == {"gpt2": 12, "llama": 12}
 
 
-def test_a_dead_generator_is_replaced_and_nothing_is_lost(tmp_path, engine_cache):
-    """The run also carries ``--set objective.kl_coef=0.05`` (one run, two checks): it trains to its end with
-    obj/kl > 0 in metrics.jsonl and the same figures in TensorBoard (tests/test_kl_reference.py: the term itself)."""
-    run = Run(tmp_path / "run", engine_cache, "objective.kl_coef=0.05")
-    run.wait_steps(2, "gpt2")
-    run.kill_worker("w0")  # the static split, in pool-key order: w0 generates for gpt2
-    assert run.finish() == 0, run.out[-3000:]
-    assert "[run] w0 (generator of gpt2) exited with code -9" in run.out and "w4 takes its place" in run.out
-    lost = run.events("worker_lost")
-    assert [(r["worker"], r["role"], r["gen_model"]) for r in lost] == [("w0", "generator", "gpt2")]
-    result = run.result()
-    assert result["lost_workers"] == ["w0"] and result["respawned"] == ["w4"]
-    assert result["steps"] == {"gpt2": 12, "llama": 12}
-    assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
-    assert run.leftover() == []
-    for model in ("gpt2", "llama"):
-        kls = [s["obj/kl"] for s in run.steps(model)]
-        assert len(kls) == 12 and kls[0] == 0.0 and all(k >= 0.0 for k in kls) and kls[-1] > 0.0, (model, kls)
-        accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-        acc = accumulator.EventAccumulator(str(run.run_dir / "tensorboard" / model))
-        acc.Reload()
-        assert [e.value for e in acc.Scalars("obj/kl")] == pytest.approx(kls, abs=1e-6)
-
-
 def _kill_a_gpt2_learner_rank(tmp_path, cache, worker: str, *sets: str) -> Run:
     """A run where gpt2's learner group is w2 (leader) and w3 (rank 1); ``worker`` is SIGKILLed at step 2."""
     run = Run(tmp_path / "run", cache, "pool.workers=5", "train.steps=16", *sets,

@@ -157,5 +157,6 @@ def test_kl_with_sharded_learners_is_refused_in_one_sentence():
         load_run_config(str(ROOT / "configs/smoke.toml"), ["train.sharding=fsdp2", "objective.kl_coef=0.1"])
 
 
-# The whole run with kl_coef > 0 (obj/kl in metrics.jsonl and TensorBoard): tests/test_engine_run.py's
-# test_a_dead_generator_is_replaced_and_nothing_is_lost carries it, sharing that run.
+# The whole run with kl_coef > 0 (obj/kl in metrics.jsonl and TensorBoard, across a learner's restart):
+# tests/test_resume.py's test_a_dead_generator_a_killed_broker_and_a_dead_last_learner_are_replaced_and_nothing_is_lost
+# carries it, sharing that run.
