@@ -1,13 +1,13 @@
 """Actor processes (engine.runtime.actors): what an actor sends last reaches the coordinator, though it
-leaves with ``os._exit``."""
+leaves with ``os._exit``; the fork server hands every actor the run's tokenizers, loaded once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import pytest
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -109,8 +109,11 @@ def test_the_fork_server_loads_the_runs_tokenizers_once_for_every_actor(tmp_path
     script = tmp_path / "check.py"
     script.write_text(PRELOAD_CHECK)
     (tmp_path / "probe.py").write_text(PRELOAD_PROBE)  # what the fork runs: a module's (a script's is not reloaded)
-    run = lambda *sets: subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), *sets], cwd=root,  # noqa: E731
-                                       capture_output=True, text=True, timeout=300)
+
+    def run(*sets):
+        return subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), *sets], cwd=root,
+                              capture_output=True, text=True, timeout=300, check=False)
+
     out = run()
     said = json.loads(out.stdout.split("RESULT ", 1)[1]) if "RESULT " in out.stdout else out.stdout + out.stderr
     assert said["preloaded"] == ["gpt2", "mistral"] and said["same"] and said["profiled"], said
