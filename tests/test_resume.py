@@ -70,6 +70,12 @@ def _session(records: list[dict], n: int) -> list[dict]:
     return records[cuts[n]:cuts[n + 1]] if n + 1 < len(cuts) else []
 
 
+def _assignment(run_dir: Path) -> dict | None:
+    """allocation.json's split (replaced whole when it changes), None before the first."""
+    path = run_dir / "allocation.json"
+    return json.loads(path.read_text())["assignment"] if path.is_file() else None
+
+
 def _check_split_kept(session: list[dict], split: dict[str, list[str]]) -> None:
     """A resumed session starts from ``split`` (allocation.json) and makes no scripted move again."""
     assert [r["restored"] for r in session if r.get("event") == "resume_allocation"] == [True]
@@ -92,7 +98,11 @@ def test_a_run_stopped_twice_and_killed_resumes_each_time_where_it_stopped_and_t
     steps = 18  # room for a periodic checkpoint (step 6 or 12) after the SIGTERM and before the end
     swap = script(("gpt2", 1, "w0", "generator", "llama"), ("gpt2", 1, "w1", "generator", "gpt2"))
     run = Run(tmp_path / "run", engine_cache, f"train.steps={steps}", "run.checkpoint_every=6", swap)
+    swapped = {"w0": ["generator", "llama"], "w1": ["generator", "gpt2"], "w2": ["learner", "gpt2"],
+               "w3": ["learner", "llama"]}
     run.wait_steps(2, "llama", timeout=900)
+    # llama may reach step 2 before gpt2's step 1 has fired the swap, or while it is under way: wait for it
+    run.wait_for(lambda: _assignment(run.run_dir) == swapped, "the scripted swap in allocation.json")
     run.signal(signal.SIGINT)
     run.wait_for(lambda: "SIGINT during the run: stopping" in run.out, "the first Ctrl-C's line")
     run.signal(signal.SIGINT)
@@ -101,9 +111,7 @@ def test_a_run_stopped_twice_and_killed_resumes_each_time_where_it_stopped_and_t
     assert "a second SIGINT skipped them; `launch.py resume" in (run.run_dir / "INTERRUPTED").read_text()
     assert not [r for r in run.steps("gpt2") + run.steps("llama") if "checkpoint" in r]
     assert run.leftover() == []
-    swapped = {"w0": ["generator", "llama"], "w1": ["generator", "gpt2"], "w2": ["learner", "gpt2"],
-               "w3": ["learner", "llama"]}
-    assert json.loads((run.run_dir / "allocation.json").read_text())["assignment"] == swapped
+    assert _assignment(run.run_dir) == swapped
     assert len([r for r in run.events("assign") if "scripted" in r["reason"]]) == 2
 
     second = Run(run.run_dir, None)

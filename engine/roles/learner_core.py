@@ -49,6 +49,14 @@ class Pending:
     cut: int = 0  # own samples that hit train.max_new_tokens (finish_reason "length")
 
 
+def newly_gone(gone: dict[str, str], announced: set[str], peers: list[str], version: int, steps: int) -> list[str]:
+    """The peers gone and not yet said to be, when this model still has a step to train without them: at its last
+    step (``version`` = ``steps``) it trains nothing more, so "training solo from step steps+1" would be false."""
+    if version >= steps:
+        return []
+    return [peer for peer in gone if peer in peers and peer not in announced]
+
+
 class LearnerCore:
     """A model's training state on this worker (every rank), and the inbox (the leader only)."""
 
@@ -177,9 +185,8 @@ class LearnerCore:
             self.announced.discard(peer)
             print(f"[{self.model_name}] peer {peer} is back: waiting for its groups again", file=sys.stderr, flush=True)
             self.metrics.write(event="peer_back", step=self.state.version, peer=peer)
-        for peer, why in gone.items():
-            if peer in self.announced or peer not in self.peers or self.state.version >= self.cfg.train.steps:
-                continue  # (a model at its last step trains nothing more, solo or not)
+        for peer in newly_gone(gone, self.announced, self.peers, self.state.version, self.cfg.train.steps):
+            why = gone[peer]
             self.announced.add(peer)
             left = self.alive_peers()
             how = "solo" if not left else f"with {', '.join(left)} only"
