@@ -63,8 +63,9 @@ class LiveDisplay:
         """What the live figures are, printed once above them."""
         return (f"cut: share of its own samples of the last {TRAIN_WINDOW_STEPS} steps that hit "
                 f"train.max_new_tokens={cfg.train.max_new_tokens} without EOS; acc@N: held-out accuracy on N "
-                f"problems (the warm start's on eval.num_problems={cfg.eval.num_problems}, then live on "
-                f"eval.live_problems={cfg.eval.live_problems}; the final table uses {cfg.eval.num_problems}); "
+                f"distinct problems (the warm start's and the final table's on up to eval.num_problems="
+                f"{cfg.eval.num_problems}, live on up to eval.live_problems={cfg.eval.live_problems}: a task with "
+                "fewer has them all); "
                 f"peer recv: peer samples received, used: read by the objective ({cfg.objective.kind}; the table's "
                 "'peer exp. used')")
 
