@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from engine.runtime.rundir import SOCK_DIR_PREFIX, make_sock_dir
 from engine.weights.channel import WeightReader, WeightSyncError, WeightWriter
 from engine.weights.places import OWNER, channel_root
 
@@ -178,20 +179,31 @@ def test_a_reader_of_another_model_shape_is_told_why(tmp_path):
     writer.close()
 
 
-def test_a_run_removes_the_channels_of_a_dead_coordinator_and_keeps_a_live_ones():
-    """A killed coordinator cannot remove its channels (a whole model in RAM): the next run on the host does,
-    and leaves alone those of a coordinator still alive and a root without an owner file."""
+def _channels(tag: str):
+    """The stem of stale folders of this kind, and a new run's claim of its own."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    return base / f"mutual-rl-test-{tag}", lambda: channel_root(f"test-{tag}-mine")
+
+
+def _sockets(tag: str):
+    return Path(tempfile.gettempdir()) / f"{SOCK_DIR_PREFIX}test-{tag}", make_sock_dir
+
+
+@pytest.mark.parametrize("kind", [_channels, _sockets], ids=["channels", "sockets"])
+def test_a_run_removes_the_folders_of_a_dead_coordinator_and_keeps_a_live_ones(kind):
+    """A coordinator killed with all its processes (a process group's SIGKILL) cannot remove its channels (a whole
+    model in RAM) or its socket folder, nor can its actors: the next run on the host does, and leaves alone those
+    of a coordinator still alive and a folder without an owner file."""
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid names no process now
-    tag = uuid.uuid4().hex[:8]
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    dead, live, unowned = (base / f"mutual-rl-test-{tag}-{n}" for n in ("dead", "live", "unowned"))
+    stem, claim = kind(uuid.uuid4().hex[:8])
+    dead, live, unowned = (Path(f"{stem}-{n}") for n in ("dead", "live", "unowned"))
     for root, owner in ((dead, gone.pid), (live, os.getpid()), (unowned, None)):
         root.mkdir()
         (root / "slot").write_bytes(b"w")
         if owner is not None:
             (root / OWNER).write_text(str(owner))
-    mine = channel_root(f"test-{tag}-mine")
+    mine = claim()
     try:
         assert not dead.exists()
         assert (live / "slot").exists() and (unowned / "slot").exists()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import msgspec
 
+from engine.weights.places import remove_dead_owners
+
 
 def make_run_dir(requested: str | None) -> Path:
     """``runs/<timestamp>`` by default; an existing non-empty directory is refused, never overwritten."""
@@ -99,7 +101,8 @@ SOCK_DIR_PREFIX = "mrl-"  # a run's ipc sockets: tempdir/mrl-XXXX, with owner.pi
 
 def make_sock_dir() -> Path:
     """A fresh folder for this launcher's ipc sockets, its owner.pid naming this process: its actors remove it
-    if the launcher dies without doing so (``remove_sock_dirs``)."""
+    if the launcher dies without doing so (``remove_sock_dirs``); those of a run killed whole go here."""
+    remove_dead_owners(Path(tempfile.gettempdir()), f"{SOCK_DIR_PREFIX}*")
     path = Path(tempfile.mkdtemp(prefix=SOCK_DIR_PREFIX))
     (path / "owner.pid").write_text(str(os.getpid()))
     return path

@@ -21,13 +21,19 @@ def channel_root(run_id: str) -> Path:
     A coordinator that was killed cannot remove its channels (the whole model, in RAM): the
     next run on the host removes every root whose owner is no longer alive."""
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    for stale in base.glob("mutual-rl-*"):
-        if not _owner_alive(stale):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_dead_owners(base, "mutual-rl-*")
     root = base / f"mutual-rl-{run_id}"
     root.mkdir(parents=True, exist_ok=True)
     (root / OWNER).write_text(str(os.getpid()))
     return root
+
+
+def remove_dead_owners(base: Path, pattern: str) -> None:
+    """Removes the folders ``base/pattern`` whose owner.pid names a process that is gone: a run killed with every
+    one of its processes (a process group's SIGKILL, the OOM killer) left them, and nobody else will."""
+    for stale in base.glob(pattern):
+        if not _owner_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _owner_alive(root: Path) -> bool:
