@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.weights.places import remove_dead_owners
+from engine.weights.places import OWNER, remove_dead_owners
 
 
 def make_run_dir(requested: str | None) -> Path:
@@ -104,7 +104,7 @@ def make_sock_dir() -> Path:
     if the launcher dies without doing so (``remove_sock_dirs``); those of a run killed whole go here."""
     remove_dead_owners(Path(tempfile.gettempdir()), f"{SOCK_DIR_PREFIX}*")
     path = Path(tempfile.mkdtemp(prefix=SOCK_DIR_PREFIX))
-    (path / "owner.pid").write_text(str(os.getpid()))
+    (path / OWNER).write_text(str(os.getpid()))
     return path
 
 
@@ -112,7 +112,7 @@ def remove_sock_dirs(owner: int) -> None:
     """Removes the socket folders of launcher ``owner`` (an actor's last act when its launcher was killed)."""
     for path in Path(tempfile.gettempdir()).glob(f"{SOCK_DIR_PREFIX}*"):
         try:
-            mine = (path / "owner.pid").read_text().strip() == str(owner)
+            mine = (path / OWNER).read_text().strip() == str(owner)
         except OSError:
             continue
         if mine:
