@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from policies.chunked_head import BLOCK_BYTES, chunkable_head, chunked_head_logprobs
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, so left padding does not shift them.
@@ -77,8 +79,17 @@ def token_logprobs(
 
 def head_logprobs(model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(targets[n]) from the hidden state that predicts it, (N, D) and (N,) -> (N,): the LM head and a
-    float32 log-softmax at those N positions only."""
-    logits = model.get_output_embeddings()(hidden).float()  # (N, V)
+    float32 log-softmax at those N positions only. Where (N, V) float32 logits would pass one block
+    (``policies.chunked_head``), a plain linear head runs a block of rows at a time, forward and backward, so
+    a large vocabulary's logits are never held whole. A family that caps its logits (Gemma 2's
+    ``final_logit_softcapping``) has them capped here as its forward caps them in generation."""
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if not cap and chunkable_head(head) and hidden.shape[0] * head.weight.shape[0] * 4 > BLOCK_BYTES:
+        return chunked_head_logprobs(head, hidden, targets)
+    logits = head(hidden).float()  # (N, V)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

