@@ -25,9 +25,9 @@ from policies.logprobs import cache_argument, position_ids_from_mask
 class Sample(msgspec.Struct, gc=False):
     """One sampled completion. logprobs[i] belongs to completion_ids[i]."""
 
-    completion_ids: list[int]  # ends with EOS when finish_reason == "stop"
+    completion_ids: list[int]  # ends with EOS (or another end token: stop_ids) when finish_reason == "stop"
     logprobs: list[float]  # log-prob under the distribution sampled from (after temperature)
-    finish_reason: Literal["stop", "length"]  # stop = produced EOS; length = hit max_new_tokens
+    finish_reason: Literal["stop", "length"]  # stop = produced an end token; length = hit max_new_tokens
 
 
 class BackendReleased(RuntimeError):
@@ -100,11 +100,15 @@ class HFBackend:
         pad_token_id: int,
         device: str | torch.device = "cpu",
         max_batch: int = 256,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.cache_argument = cache_argument(self.model)  # asked once: not on every decoding step
         self.eos_token_id = eos_token_id
+        # tokens that end a row as EOS does (a base model's line break: policies.templates.end_ids)
+        self.end_set = frozenset({eos_token_id, *stop_ids})
+        self.end_ids = torch.tensor(sorted(self.end_set), device=self.device)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.version = 0
@@ -194,7 +198,7 @@ class HFBackend:
                 if not done:
                     tokens[row].append(tok)
                     logprobs[row].append(lp)
-            over = over | (next_ids == self.eos_token_id)
+            over = over | torch.isin(next_ids, self.end_ids)
             if bool(over.all()):
                 break
             if self.drops_finished_rows and bool(over.any()):
@@ -208,7 +212,7 @@ class HFBackend:
             Sample(
                 completion_ids=tokens[i],
                 logprobs=logprobs[i],
-                finish_reason="stop" if tokens[i] and tokens[i][-1] == self.eos_token_id else "length",
+                finish_reason="stop" if tokens[i] and tokens[i][-1] in self.end_set else "length",
             )
             for i in range(B)
         ]
@@ -268,8 +272,8 @@ class CudaHFBackend(HFBackend):
 
     def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 max_batch: int = 256) -> None:
-        super().__init__(model.to(dtype), eos_token_id, pad_token_id, device, max_batch)
+                 max_batch: int = 256, stop_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(model.to(dtype), eos_token_id, pad_token_id, device, max_batch, stop_ids)
 
     def _new_cache(self, batch: int, max_len: int) -> Cache:
         return StaticCache(config=self.model.config, max_cache_len=max_len)

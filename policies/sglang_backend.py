@@ -187,9 +187,10 @@ class SglangBackend:
     ``seeded``: whether the server honours ``sampling_seed`` (it runs with deterministic inference); where it
     does not, no seed is sent and a given seed does not reproduce a sample."""
 
-    def __init__(self, transport: Transport, eos_token_id: int) -> None:
+    def __init__(self, transport: Transport, eos_token_id: int, stop_ids: tuple[int, ...] = ()) -> None:
         self.transport = transport
         self.eos_token_id = eos_token_id
+        self.end_ids = sorted({eos_token_id, *stop_ids})  # a base model's line breaks end a row too
         self.seeded = bool(transport.info.get("enable_deterministic_inference"))
         self.version = 0
         self.released = False
@@ -204,12 +205,12 @@ class SglangBackend:
         answers = self.transport.generate(payload)
         if len(answers) != len(rows):
             raise SglangError(f"sglang /generate answered {len(answers)} outputs for {len(rows)} rows")
-        samples = [sample_from_output(a, self.eos_token_id) for a in answers]
+        samples = [sample_from_output(a, self.end_ids) for a in answers]
         return [samples[i * num_samples: (i + 1) * num_samples] for i in range(len(prompts))]
 
     def _params(self, max_new_tokens: int, temperature: float, base: int, row: int) -> dict:
         params = {"temperature": temperature, "max_new_tokens": max_new_tokens,
-                  "stop_token_ids": [self.eos_token_id], "skip_special_tokens": False}
+                  "stop_token_ids": list(self.end_ids), "skip_special_tokens": False}
         if self.seeded:  # each row its own seed: one seed for all would give every sample of a prompt the same tokens
             params["sampling_seed"] = (base * 1_000_003 + row) % 2**31
         return params
@@ -245,7 +246,7 @@ def engine_args(dtype: str, seed: int, gpu: int, memory_fraction: float, determi
 
 
 def sglang_backend(eos_token_id: int, dtype: str, url: str = "", model_path: str = "",
-                   args: dict | None = None) -> SglangBackend:
+                   args: dict | None = None, stop_ids: tuple[int, ...] = ()) -> SglangBackend:
     """A generator's backend: over the server at ``url`` (whose dtype must be ``dtype``), else over an Engine of
     ``model_path`` started with ``args`` (``engine_args``).
 
@@ -256,12 +257,12 @@ def sglang_backend(eos_token_id: int, dtype: str, url: str = "", model_path: str
             raise SglangError(problem)
     else:
         transport = SglangEngine.launch(model_path, **(args or {}))
-    backend = SglangBackend(transport, eos_token_id)
+    backend = SglangBackend(transport, eos_token_id, stop_ids)
     backend.version = -1
     return backend
 
 
-def sample_from_output(output: dict, eos_token_id: int) -> Sample:
+def sample_from_output(output: dict, end_ids: int | list[int]) -> Sample:
     """One /generate output as a Sample; anything off the documented shape is one SglangError."""
     try:
         meta = output["meta_info"]
@@ -274,6 +275,7 @@ def sample_from_output(output: dict, eos_token_id: int) -> Sample:
                           f"was return_logprob sent?") from None
     if reason not in ("stop", "length"):
         raise SglangError(f"sglang finished a row with {meta['finish_reason']!r}")
-    if reason == "stop" and (not ids or ids[-1] != eos_token_id):
-        raise SglangError(f"sglang stopped a row on {meta['finish_reason']!r}, not on EOS {eos_token_id}")
+    ends = [end_ids] if isinstance(end_ids, int) else end_ids
+    if reason == "stop" and (not ids or ids[-1] not in ends):
+        raise SglangError(f"sglang stopped a row on {meta['finish_reason']!r}, not on an end token {ends}")
     return Sample(completion_ids=ids, logprobs=logprobs, finish_reason=reason)

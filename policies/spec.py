@@ -12,7 +12,7 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -37,6 +37,17 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # loaded instead of built: a save_pretrained dir, a .gguf file, pkg:PACKAGE/file.gguf or a Hub id in the Hub's
     # cache (policies.sources); a loaded config holds the directory it resolved to
     checkpoint: str | None = None
+    # how the task's question is written for this model: a text holding {question} once, e.g. solved examples
+    # then "{question}" for a base model (no chat template); with a chat template it is the user turn's text.
+    # "" = the chat template, else the family's plain template ("Q: {question}\nA:")
+    prompt: str = ""
+    # what ends a completion besides EOS: "newline" (a token of line breaks only) for a base model that answers
+    # on one line and goes on to a next question rather than writing EOS
+    end: Literal["eos", "newline"] = "eos"
+
+    def __post_init__(self) -> None:
+        if self.prompt and (self.prompt.count("{question}") != 1 or self.prompt.count("{") != 1):
+            raise ValueError(f"prompt {self.prompt[:40]!r}...: must hold {{question}} once and no other braces")
 
 
 class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

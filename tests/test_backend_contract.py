@@ -199,13 +199,14 @@ def test_an_sglang_server_that_would_not_sample_as_asked_is_said_or_refused() ->
 
 def test_sglang_outputs_off_the_documented_shape_are_one_clear_error() -> None:
     ok = {"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-0.1, 2, None]], "finish_reason": {"type": "stop"}}}
-    assert sample_from_output(ok, eos_token_id=2).completion_ids == [7, 2]
+    assert sample_from_output(ok, end_ids=2).completion_ids == [7, 2]
+    assert sample_from_output(ok, end_ids=[3, 2]).completion_ids == [7, 2]  # a base model's line break ends a row too
     with pytest.raises(SglangError, match="was return_logprob sent"):
         sample_from_output({"meta_info": {"finish_reason": {"type": "stop"}}}, 2)
     with pytest.raises(SglangError, match="abort"):
         sample_from_output({"meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}}}, 2)
-    with pytest.raises(SglangError, match="not on EOS 3"):
-        sample_from_output(ok, eos_token_id=3)
+    with pytest.raises(SglangError, match=r"not on an end token \[3\]"):
+        sample_from_output(ok, end_ids=3)
     with pytest.raises(SglangError, match="cannot reach http://127.0.0.1:9"):
         SglangHTTP("http://127.0.0.1:9", timeout_s=5)
 

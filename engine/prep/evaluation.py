@@ -12,7 +12,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from policies.backend import GenerationBackend
-from policies.templates import prompt_ids
+from policies.templates import PromptFormat, as_format, end_ids, prompt_ids
 from tasks.base import Problem, Task
 from tasks.rewards import score
 
@@ -37,7 +37,7 @@ class EvalResult(msgspec.Struct, frozen=True):
 def evaluate(
     backend: GenerationBackend,
     tokenizer: PreTrainedTokenizerBase,
-    arch: str,
+    arch: str | PromptFormat,  # a family, or a model's prompt format (policies.templates.prompt_format)
     task: Task,
     num_problems: int,
     temperature: float = 0.0,
@@ -128,7 +128,7 @@ class EvalProgress:
                   file=sys.stderr, flush=True)
 
 
-def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task: Task, num_problems: int,
+def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str | PromptFormat, task: Task, num_problems: int,
                       settings, max_new_tokens: int, label: str | None = None,
                       result_line: bool = True, reward_errors: Literal["stop", "zero"] = "stop") -> EvalResult:
     """``evaluate`` of a policy module as it is (eval mode for the duration), with a run's ``[eval]`` settings;
@@ -141,7 +141,7 @@ def held_out_accuracy(model, tokenizer: PreTrainedTokenizerBase, arch: str, task
     device = next(model.parameters()).device
     try:
         backend = HFBackend(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer),
-                            device=device)
+                            device=device, stop_ids=end_ids(tokenizer, as_format(arch).end))
         return evaluate(backend, tokenizer, arch, task, num_problems, temperature=settings.temperature,
                         batch_size=settings.batch_size, max_new_tokens=max_new_tokens,
                         progress=EvalProgress(label, result_line=result_line) if label else None,

@@ -101,6 +101,7 @@ def _take(path: Path) -> str | None:
 def prepare_model(payload: bytes) -> int:
     """Process entry: warm-start one model (cached), evaluate it (cached), write the result."""
     from engine.prep.warmstart import warm_start_and_end, warm_start_path
+    from policies.templates import prompt_format
     from tasks.base import VerifierError
     from tasks.registry import make_task
     from tokenbridge import load_tokenizer
@@ -117,7 +118,7 @@ def prepare_model(payload: bytes) -> int:
         model, ended = warm_start_and_end(spec, tokenizer, task, ws, warm_dir, progress=plan.progress,
                                           device=prep_device(cfg, plan.model_index))
         checkpoint = warm_start_path(spec, tokenizer, task, ws, warm_dir)
-        ev = _cached_eval(model, tokenizer, spec.arch, task, cfg, checkpoint, m.name)
+        ev = _cached_eval(model, tokenizer, prompt_format(m), task, cfg, checkpoint, m.name)
     except VerifierError as exc:  # the user's reward function: one line for the launcher, not a traceback
         _atomic_write(Path(plan.result_path).with_suffix(".error"), str(exc).encode())
         return 1
@@ -139,7 +140,7 @@ def prep_device(cfg: RunConfig, model_index: int):
     return torch.device("cuda", model_index % torch.cuda.device_count())
 
 
-def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: Path, name: str) -> dict:
+def _cached_eval(model, tokenizer, fmt, task, cfg: RunConfig, checkpoint: Path, name: str) -> dict:
     """The warm start's held-out evaluation: accuracy, stderr, n and truncated (absent from a file written before
     the cut was counted: still read, the cut then unknown)."""
     from engine.prep.evaluation import held_out_accuracy
@@ -149,15 +150,16 @@ def _cached_eval(model, tokenizer, arch: str, task, cfg: RunConfig, checkpoint: 
     # as before that key existed, so the caches written then still answer
     # (and "distinct": scored over distinct held-out questions; a cache from before, with a small task's
     # questions repeated up to n, is not read)
-    key = hashlib.sha256(msgspec.json.encode(
-        {"task": task_identity(task), "n": ev.num_problems, "t": ev.temperature,
-         "max_new": cfg.eval_max_new_tokens, "distinct": True}
-    )).hexdigest()[:16]
+    fields = {"task": task_identity(task), "n": ev.num_problems, "t": ev.temperature,
+              "max_new": cfg.eval_max_new_tokens, "distinct": True}
+    if fmt.template or fmt.end != "eos":  # a model's own prompt or end: keyed, so the caches written before still answer
+        fields["format"] = [fmt.template, fmt.end]
+    key = hashlib.sha256(msgspec.json.encode(fields)).hexdigest()[:16]
     path = checkpoint / f"eval-{key}.json"
     if path.exists():
         data = json.loads(path.read_text())
     else:
-        result = held_out_accuracy(model, tokenizer, arch, task, ev.num_problems, ev, cfg.eval_max_new_tokens,
+        result = held_out_accuracy(model, tokenizer, fmt, task, ev.num_problems, ev, cfg.eval_max_new_tokens,
                                    label=f"{name} after the warm start (held-out)",
                                    reward_errors=cfg.train.reward_errors)
         data = {"accuracy": result.accuracy, "stderr": result.stderr, "n": result.n, "truncated": result.truncated}

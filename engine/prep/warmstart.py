@@ -25,7 +25,7 @@ from engine.train.optim import adamw
 from policies.backend import HFBackend
 from policies.logprobs import token_logprobs
 from policies.models import ModelLoadError, ModelSpec, build_policy, load_policy, pad_token_id, save_policy
-from policies.templates import completion_ids, prompt_ids
+from policies.templates import completion_ids, end_ids, prompt_format, prompt_ids
 from tasks.base import Task, task_identity
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,21 @@ def cache_key(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, c
     """Hash of everything that determines the warm-started weights (not the model's name)."""
     identity = {
         "format": CACHE_FORMAT,
-        "spec": msgspec.structs.replace(spec, name=""),
+        "spec": _spec_identity(spec),
         "vocab_size": len(tokenizer),
         "task": task_identity(task),
         "warm_start": config,
     }
     return hashlib.sha256(msgspec.json.encode(identity)).hexdigest()
+
+
+def _spec_identity(spec: ModelSpec) -> dict:
+    """The spec without its name, and without a prompt format left at its default: the keys of the warm starts
+    cached before a model could have its own prompt stay what they were."""
+    fields = msgspec.structs.asdict(msgspec.structs.replace(spec, name=""))
+    if not fields["prompt"] and fields["end"] == "eos":
+        del fields["prompt"], fields["end"]
+    return fields
 
 
 def warm_start_path(
@@ -165,8 +174,8 @@ def _batch(
     rows = []
     for prompt_id in range(first_id, first_id + size):
         problem = task.problem(prompt_id)
-        prompt = prompt_ids(tokenizer, spec.arch, problem.prompt)
-        completion = completion_ids(tokenizer, task.worked_solution(problem))
+        prompt = prompt_ids(tokenizer, prompt_format(spec), problem.prompt)
+        completion = completion_ids(tokenizer, task.worked_solution(problem), spec.end)
         if len(prompt) + len(completion) > spec.max_seq_len:
             raise ValueError(
                 f"a {task.name} problem needs {len(prompt) + len(completion)} tokens with model "
@@ -190,9 +199,10 @@ def _train_accuracy(
     model: PreTrainedModel, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, task: Task, config: WarmStartConfig
 ) -> float:
     """Greedy accuracy on training problems (the held-out set stays unseen)."""
-    backend = HFBackend(model, tokenizer.eos_token_id, pad_token_id(tokenizer), device=model.device)
+    backend = HFBackend(model, tokenizer.eos_token_id, pad_token_id(tokenizer), device=model.device,
+                        stop_ids=end_ids(tokenizer, spec.end))
     result = evaluate(
-        backend, tokenizer, spec.arch, task, config.check_problems, max_new_tokens=MAX_NEW_TOKENS, split="train"
+        backend, tokenizer, prompt_format(spec), task, config.check_problems, max_new_tokens=MAX_NEW_TOKENS, split="train"
     )
     return result.accuracy
 

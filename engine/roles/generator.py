@@ -27,7 +27,7 @@ from policies.backend import CudaHFBackend, GenerationBackend, HFBackend
 from policies.lora import has_adapters, merged
 from policies.models import pad_token_id
 from policies.sglang_backend import SglangBackend, engine_args, sglang_backend
-from policies.templates import prompt_ids
+from policies.templates import end_ids, prompt_format, prompt_ids
 from tasks.base import VerifierError
 from tasks.rewards import score
 
@@ -96,18 +96,19 @@ async def generate_role(worker, order: Order) -> None:
 def make_backend(worker, model: str, policy) -> GenerationBackend:
     """The model's ``generation.backend``: transformers sampling from the worker's module, or sglang."""
     g, tok = worker.cfg.model(model).generation, policy.tokenizer
+    stops = end_ids(tok, worker.cfg.model(model).end)  # EOS, and a base model's line breaks
     if g.backend == "hf":
         return HFBackend(policy.module, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id(tok),
-                         device=worker.device)
+                         device=worker.device, stop_ids=stops)
     if g.backend == "hf-static":  # its own copy, cast: the module stays what the channel and the digests read
         backend = CudaHFBackend(copy.deepcopy(policy.module), tok.eos_token_id, pad_token_id(tok), device=worker.device,
-                                dtype=getattr(torch, g.dtype))
+                                dtype=getattr(torch, g.dtype), stop_ids=stops)
         backend.version = -1
         return backend
     gpu = worker.device.index or 0
     args = engine_args(g.dtype, worker.cfg.run.seed, gpu, g.sglang_memory / workers_on_gpu(worker.cfg, gpu),
                        g.sglang_deterministic, g.sglang_args)
-    return sglang_backend(tok.eos_token_id, g.dtype, g.sglang_url, worker.plan.warm_checkpoints[model], args)
+    return sglang_backend(tok.eos_token_id, g.dtype, g.sglang_url, worker.plan.warm_checkpoints[model], args, stops)
 
 
 def workers_on_gpu(cfg, gpu: int) -> int:
@@ -146,8 +147,8 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
     the verifier ran out of time on (judged wrong); and what it raised on, scored 0 (train.reward_errors =
     "zero"; with "stop" the first raise is a VerifierError)."""
     cfg, model = worker.cfg, unit.model
-    arch = cfg.model(model).arch
-    prompts = [prompt_ids(tok, arch, p.prompt) for p in unit.problems]
+    fmt = prompt_format(cfg.model(model))
+    prompts = [prompt_ids(tok, fmt, p.prompt) for p in unit.problems]
     seed = zlib.crc32(f"{cfg.run.seed}/{model}/{worker.id}/{unit.problems[0].prompt_id}".encode())  # stable across processes
     with torch.no_grad():
         samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)

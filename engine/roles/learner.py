@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from engine.prep.evaluation import held_out_accuracy
+from policies.templates import prompt_format
 from engine.roles.learner_core import LearnerCore, Pending
 from engine.runtime.failures import SHARDS_LOST
 from engine.runtime.plane import GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone, StepReport
@@ -266,7 +267,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         record["params_digest"] = dp.params_digest(core.module)  # lets a test check every hand-over bit for bit
     ev = core.cfg.eval
     if ev.every_steps and version % ev.every_steps == 0 and version < core.cfg.train.steps:
-        res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
+        res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, prompt_format(core.spec), w.task,
                                       ev.live_problems, ev, core.cfg.eval_max_new_tokens,
                                       f"{core.model_name} live at step {version} (eval.live_problems)",
                                       False, core.cfg.train.reward_errors)  # no result line: the display's acc@N
@@ -348,7 +349,7 @@ async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     """Checkpoint, evaluate on held-out problems, report what was never trained."""
     cfg, w = core.cfg, core.worker
     ckpt = str(await asyncio.to_thread(_checkpoint, core))
-    res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, core.spec.arch, w.task,
+    res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, prompt_format(core.spec), w.task,
                                   cfg.eval.num_problems, cfg.eval, cfg.eval_max_new_tokens,
                                   f"{core.model_name} final (held-out)", True, cfg.train.reward_errors)
     queued = list(core.ingest.complete)

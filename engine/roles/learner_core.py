@@ -98,7 +98,8 @@ class LearnerCore:
             return
         w = self.worker
         peers = {n: w.tokenizer(n) for n in self.peers}
-        self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id)
+        self.ingest = Ingest(self.spec, self.tok, peers, w.task, self.cfg.train.group_size, w.plan.run_id,
+                             {n: self.cfg.model(n).end for n in self.peers})
         self.ingest.consumed.update(self.consumed)
         self.sub = Subscriber(w.plan.broker_out, [f"exp.{n}" for n in self.cfg.names], name=f"{w.id}.{self.model_name}",
                               curve=w.plan.curve)

@@ -9,7 +9,7 @@ import numpy as np
 from engine.train.batching import OwnSample, PeerSample
 from engine.train.trust import untrusted
 from exchange.protocol import Experience
-from policies.templates import completion_ids, prompt_ids
+from policies.templates import completion_ids, end_ids, finish_id, prompt_format, prompt_ids
 from tokenbridge import Bridge, BridgeError
 
 
@@ -22,9 +22,17 @@ class Ingest:
     and dropped; one the THL cannot bridge is counted as a failure and dropped.
     """
 
-    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int, run_id: str | None = None):
+    def __init__(self, spec, tokenizer, peer_tokenizers: dict, task, group_size: int, run_id: str | None = None,
+                 peer_ends: dict[str, str] | None = None):
         self.spec, self.tokenizer, self.task, self.G, self.run_id = spec, tokenizer, task, group_size, run_id
-        self.bridges = {name: Bridge(tok, tokenizer) for name, tok in peer_tokenizers.items()}
+        self.format = prompt_format(spec)
+        # a peer's finished completion ends as ours do: with our EOS, or our line break where we end on one
+        finish = finish_id(tokenizer, self.format.end)
+        self.bridges = {name: Bridge(tok, tokenizer, dst_eos_id=finish) for name, tok in peer_tokenizers.items()}
+        # a peer that ends on a line break: that break stands for its EOS when its text crosses (the bridge maps
+        # an end token, not the text of one), so the receiver sees a finished answer, not one going on
+        self.line_ends = {name: (frozenset(end_ids(tok, "newline")) - {tok.eos_token_id}, tok.eos_token_id)
+                          for name, tok in peer_tokenizers.items() if (peer_ends or {}).get(name) == "newline"}
         self.vocab = {name: len(tok) for name, tok in peer_tokenizers.items()} | {spec.name: len(tokenizer)}
         self.rejected: collections.Counter[str] = collections.Counter()  # "<model>: <why>" -> count
         self.own: dict[int, list[OwnSample]] = {}
@@ -67,9 +75,19 @@ class Ingest:
                 self.peer_counts[(exp.model, exp.prompt_id)] += 1
                 waiting.setdefault(exp.model, []).append(exp)
         for model, peers in waiting.items():
-            bridged = self.bridges[model].batch([e.completion_array for e in peers], [e.logprob_array for e in peers])
+            completions = [self._ended(model, e) for e in peers]
+            bridged = self.bridges[model].batch(completions, [e.logprob_array for e in peers])
             for exp, out in zip(peers, bridged):
                 self._add_peer(exp, out)
+
+    def _ended(self, model: str, exp: Experience) -> np.ndarray:
+        """A line-ending peer's completion with its final line break read as its EOS (the same log-prob: the
+        probability it gave to ending there)."""
+        ids = exp.completion_array
+        if model in self.line_ends and exp.finish_reason == "stop" and len(ids) and int(ids[-1]) in self.line_ends[model][0]:
+            ids = ids.copy()
+            ids[-1] = self.line_ends[model][1]
+        return ids
 
     @property
     def rejected_total(self) -> int:
@@ -102,14 +120,15 @@ class Ingest:
         """Our own template for the prompt: only the completion crosses the bridge."""
         if prompt_id not in self._prompts:
             prompt = self.task.problem(prompt_id).prompt
-            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.spec.arch, prompt))
+            self._prompts[prompt_id] = np.asarray(prompt_ids(self.tokenizer, self.format, prompt))
         return self._prompts[prompt_id]
 
     def reference_samples(self, prompts: list[int]) -> list[PeerSample]:
         """The task's reference solution of each prompt, in the peer slots (the answer-key control)."""
         out = []
         for pid in prompts:
-            ids = np.asarray(completion_ids(self.tokenizer, self.task.worked_solution(self.task.problem(pid))))
+            ids = np.asarray(completion_ids(self.tokenizer, self.task.worked_solution(self.task.problem(pid)),
+                                            self.format.end))
             out.append(PeerSample(model="reference", prompt_id=pid, prompt_ids=self._prompt(pid), completion_ids=ids,
                                   behaviour_logprobs=np.zeros(len(ids), dtype=np.float32), align=np.arange(len(ids)),
                                   residual=0.0, reward=1.0, verified=True, weight_version=0))
