@@ -213,8 +213,8 @@ class Coordinator:
                 if not running:
                     break
                 if all(m in self.dispatch.silent for m in running):  # nothing can progress any more
-                    self.failures.fail(f"{', '.join(running)} made no progress for "
-                                       f"timeouts.peer_silent_s={self.cfg.timeouts.peer_silent_s:g}s; stopped")
+                    self.failures.fail(f"{', '.join(running)} made no progress for timeouts.peer_silent_s="
+                                       f"{self.cfg.timeouts.peer_silent_s:g}s; stopped{self.failures.oom_note()}")
                     break
                 now = time.time()
                 self._discount_stall(now - last_turn)

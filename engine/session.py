@@ -42,6 +42,60 @@ def preflight(cfg, forked: bool = False) -> None:
             raise ConfigError(f"pool.controller: {exc}") from None
 
 
+def check_memory(cfg) -> None:
+    """Refuse, before any process starts, a run whose estimated peak memory exceeds what is available
+    (``run.memory_limit_gib``, else this machine's now): one ConfigError with both figures and what lowers the
+    peak. ``run.memory_check = false`` (``--ignore-memory-check``) skips it."""
+    if not cfg.run.memory_check:
+        return
+    from engine.config import ConfigError
+    from engine.prep.memory_estimate import estimate
+    from engine.runtime.memory import GIB, gib, lower_it, read
+
+    est = estimate(cfg, worker_options(cfg))
+    limit = cfg.run.memory_limit_gib
+    available = int(limit * GIB) if limit > 0 else read().available
+    if est.peak <= available:
+        return
+    name, most = max(est.workers, key=lambda w: w[1])
+    where = (f"RL: {len(est.workers)} workers, the costliest a {name} at {gib(most)}" if est.rl >= est.warm_start
+             else "the warm starts")
+    raise ConfigError(f"the run's estimated peak memory, {gib(est.peak)} ({where}), exceeds the {gib(available)} "
+                      + ("of run.memory_limit_gib" if limit > 0 else "available on this machine")
+                      + f"; lower it with {lower_it(cfg)}, or go on with --ignore-memory-check (run.memory_check = false)")
+
+
+def worker_options(cfg) -> list[list[tuple[str, str, int]]]:
+    """The roles each worker of this machine may hold during the run, (role, model, learner ranks of the model):
+    the static split's role and any a scripted move gives it; under MWRA, which may make a learner of any worker
+    but a generator per model, every role of every model (the first rank of a group carries the most)."""
+    from engine.schedule.allocator import static_split
+
+    split = static_split(cfg)
+    ranks = {m: split.get(f"learner:{m}", 0) for m in cfg.names}
+    if cfg.pool.allocator == "mwra":  # it keeps a generator per model (controller: min_generators)
+        every = [(r, m, 1) for m in cfg.names for r in ("generator", "learner")]
+        options = [[("generator", m, 1)] for m in cfg.names]
+        options += [list(every) for _ in range(cfg.pool.workers - len(cfg.names))]
+    else:  # workers take the split's roles in pool-key order (engine.schedule.allocator)
+        options = [[(role, m, ranks[m])] for key in sorted(split) for role, m in [key.split(":", 1)]
+                   for _ in range(split[key])]
+        for move in cfg.pool.script:
+            i = int(move.worker.lstrip("w")) if move.worker.lstrip("w").isdigit() else -1
+            if move.role != "idle" and 0 <= i < len(options):
+                options[i].append((move.role, move.model, max(1, ranks[move.model] + (move.role == "learner"))))
+    per_node = cfg.pool.workers_per_node()  # this machine's share of a cluster: its costliest, to be safe
+    return options if per_node >= len(options) else _costliest(cfg, options, per_node)
+
+
+def _costliest(cfg, options, n: int):
+    from engine.prep.memory_estimate import estimate
+
+    costs = estimate(cfg, options).workers
+    order = sorted(range(len(options)), key=lambda i: -costs[i][1])
+    return [options[i] for i in order[:n]]
+
+
 def _model_problem(cfg) -> str | None:
     """The first model whose tokenizer does not load, LoRA targets what it lacks or sglang server cannot serve
     it, as the line to print; None when every model can start."""

@@ -16,6 +16,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set train.steps=50 (repeatable)")
     run.add_argument("--run-dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    run.add_argument("--ignore-memory-check", action="store_true",
+                     help="start even if the run's estimated peak memory exceeds what is available (it is refused "
+                          "otherwise, before anything starts: run.memory_check, run.memory_limit_gib)")
     _ray_arguments(run)
     run.set_defaults(handler=run_command)
     resume = sub.add_parser("resume", help="continue a stopped or crashed run from its checkpoints and experience log")
@@ -42,6 +45,8 @@ def run_command(args: argparse.Namespace) -> int:
     from engine.config import load_run_config
     from mutual_rl.trainer import Trainer
 
+    if args.ignore_memory_check:
+        args.overrides = [*args.overrides, "run.memory_check=false"]  # as the config says it (config.toml keeps it)
     if args.ray:
         return _on_ray(args, "run")
     return _on_this_machine(lambda node: Trainer(load_run_config(args.config, args.overrides),

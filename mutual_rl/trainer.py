@@ -85,10 +85,12 @@ class Trainer:
 
     def train(self, *, node: Any = None) -> TrainResult:
         """The whole run: warm starts, RL, final evaluations, the report. A config the machine refuses (a
-        tokenizer that does not load, a run directory that exists) is one ConfigError before anything runs.
+        tokenizer that does not load, a run directory that exists, an estimated peak memory past what is
+        available) is one ConfigError before anything runs.
         ``node``: node 0 of a torchrun cluster (``launch.py run`` passes it; ``engine.session.this_node``)."""
         from engine.runtime.rundir import announce, make_run_dir, write_resolved_config
 
+        session.check_memory(self.config)  # before any process: a run that cannot fit starts none
         session.start_actor_server(self.config)  # a config refused in __init__ cost no second interpreter
         run_dir = None
         try:

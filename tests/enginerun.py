@@ -25,12 +25,12 @@ class Run:
 
     def __init__(self, run_dir: Path, cache: Path | None, *overrides: str, config: str = "configs/smoke.toml",
                  node: tuple[int, int, int] | None = None, env: dict[str, str] | None = None, report: bool = False,
-                 machine: tuple[list[str], str] = ((), "127.0.0.1")):
+                 machine: tuple[list[str], str] = ((), "127.0.0.1"), flags: tuple[str, ...] = ()):
         """``node``: (nodes, rank, port): this launcher is node ``rank`` of a cluster, started by torchrun as on a
         real cluster (rendezvous at node 0's address:port). ``machine``: (a prefix that runs the launcher as on
         another machine, node 0's address; tests/netns.py), loopback by default. ``report``: the run ends with its
         report (its plots cost a few CPU-seconds a run; tests/test_resume.py checks a run's own,
-        tests/test_report.py the rest)."""
+        tests/test_report.py the rest). ``flags``: more arguments of ``launch.py run`` (``--ignore-memory-check``)."""
         self.run_dir = run_dir
         overrides = (*overrides, f"run.report={str(report).lower()}")
         prefix, host = machine
@@ -45,7 +45,7 @@ class Run:
             for o in overrides:
                 args += ["--set", o]
         else:
-            args = [*launcher, "run", "--config", str(ROOT / config), "--run-dir", str(run_dir)]
+            args = [*launcher, "run", "--config", str(ROOT / config), "--run-dir", str(run_dir), *flags]
             for o in (f"run.cache_dir='{cache}'", *overrides):
                 args += ["--set", o]
         self._start(args, env)

@@ -263,12 +263,23 @@ def test_a_dead_leader_hands_its_group_to_a_survivor_which_refills_its_inbox_fro
 
 
 def test_a_model_whose_last_learner_dies_leaves_and_its_peer_trains_solo(tmp_path, engine_cache):
-    run = Run(tmp_path / "run", engine_cache, "train.steps=20", "run.checkpoint_every=0")  # nothing to restart from
+    """Its SIGKILL counts as one while memory was short (run.memory_short_gib past any machine's): it is named a
+    likely out-of-memory kill. The run starts past a memory limit it would be refused for, as
+    --ignore-memory-check lets it (tests/test_memory_guard.py: the refusal; a SIGKILL with memory to spare is
+    said by its exit code: test_a_dead_learner_rank_leaves_its_group_which_re_forms)."""
+    run = Run(tmp_path / "run", engine_cache, "train.steps=20", "run.checkpoint_every=0",  # nothing to restart from
+              "run.memory_limit_gib=0.5", "run.memory_short_gib=100000", flags=("--ignore-memory-check",))
     run.wait_steps(2, "llama")
     run.kill_worker("w3")  # llama's only learner rank
     assert run.finish() == 1, run.out[-3000:]  # the run could not train every model: it says so ...
     assert "llama leaves the run" in run.out and "gpt2 trains without it" in run.out
+    oom = "w3 (learner of llama) was killed by SIGKILL while memory was short ("
+    assert f"[run] {oom}" in run.out and "likely the kernel's out-of-memory killer" in run.out, run.out[-3000:]
     assert "llama left the run" in (run.run_dir / "FAILED").read_text()
+    assert "out-of-memory killer" in (run.run_dir / "FAILED").read_text()
+    lost = run.events("worker_lost")
+    assert [(e["worker"], e["role"], e["gen_model"], e["cause"]) for e in lost] == [("w3", "learner", "llama", "oom")]
+    assert "memory_check = false" in (run.run_dir / "config.toml").read_text()
     finals = {r["model"]: r for r in run.events("final")}
     assert finals["gpt2"]["step"] == 20 and not finals["gpt2"]["stopped_early"]  # ... but its peer went on
     gone = run.events("peer_gone", "gpt2")

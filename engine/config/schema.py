@@ -66,6 +66,15 @@ class RunSection(_Section):
     # for a later `wandb sync`, "online" streams to a project set up with `wandb login`
     wandb: Literal["off", "offline", "online"] = "off"
     report: bool = True  # end with RUN_DIR/report.md and its plots (off: `launch.py report RUN_DIR` writes them later)
+    # before anything starts, refuse a run whose estimated peak memory (engine.prep.memory_estimate) exceeds what
+    # is available, in one line; false (launch.py run --ignore-memory-check) goes on anyway
+    memory_check: bool = True
+    # the memory the run may take, in GiB; 0 = what this machine has available now (MemAvailable, or its cgroup's
+    # limit where smaller)
+    memory_limit_gib: Annotated[float, Meta(ge=0)] = 0.0
+    # a worker killed by SIGKILL while less than this (GiB) was available is named a likely out-of-memory kill;
+    # 0 = a tenth of the machine's memory, at least 1 GiB
+    memory_short_gib: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class TrainSection(_Section):

@@ -25,7 +25,9 @@
   bound, or if the new broker does not come up, the run ends.
 
 Every case is one line on stderr and one metrics record (``worker_lost``, ``learner_restart``,
-``broker_restart``, ``model_left``).
+``broker_restart``, ``model_left``). A worker killed by SIGKILL while memory was short
+(``engine.runtime.memory``) is named a likely out-of-memory kill, with what lowers the run's memory
+(``worker_lost`` has ``cause`` "oom").
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import sys
 
 from engine.runtime.hub import restart_broker
+from engine.runtime.memory import MemoryWatch, lower_it
 from engine.runtime.plane import BrokerBack, GroupBroken
 from engine.runtime.rundir import write_pids
 from engine.train import checkpoint
@@ -65,6 +68,8 @@ class FailurePolicy:
         self.reward_errors_said = False
         self.broker_restarts = 0
         self.learner_restarts: dict[str, int] = {}
+        self.memory = MemoryWatch(coordinator.cfg.run.memory_short_gib)  # what a SIGKILLed worker died beside
+        self.oom: list[str] = []  # each likely out-of-memory kill, as said
 
     def fail(self, text: str) -> None:
         if text not in self.messages:
@@ -109,6 +114,7 @@ class FailurePolicy:
         seen: set[str] = set()
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
+            self.memory.sample()
             if self.aborted:  # killed as asked: no death is news, no broker comes back
                 continue
             for name, actor in list(self.c.actors.items()):
@@ -124,28 +130,43 @@ class FailurePolicy:
                 role = self.c.roster.assignment.get(name, ("idle", ""))
                 if self.c.stopping and (actor.exitcode == 0 or role[0] != "learner" or role[1] in self.c.finals):
                     continue  # halted as asked
-                await self._worker_died(name, actor.exitcode)
+                await self._worker_died(name, actor.exitcode, actor.local)
 
-    async def _worker_died(self, wid: str, code: int | None) -> None:
+    def _how_it_ended(self, code: int | None, local: bool) -> tuple[str, str]:
+        """How a process ended, said after its name, and the advice that ends its line ("" unless memory was short).
+        Only this machine's memory is watched: a death on another node is said by its exit code."""
+        oom = self.memory.killed_short(code) if local else None
+        if oom is None:
+            return f"exited with code {code}", ""
+        return oom, f" (lower the run's memory: {lower_it(self.c.cfg)})"
+
+    def oom_note(self) -> str:
+        """The out-of-memory kills so far, for a failure they may explain (a run that then made no progress)."""
+        return f" (after {'; '.join(self.oom)})" if self.oom else ""
+
+    async def _worker_died(self, wid: str, code: int | None, local: bool = True) -> None:
         c = self.c
         sharded = self._sharded_formation(c.roster.assignment.get(wid, ("idle", "")))
         role, led, messages = c.roster.remove(wid, c.trained)
         self.lost.append(wid)
         units = c.dispatch.lost(wid)
         what = f"{role[0]} of {role[1]}" if role[1] else role[0]
+        ended, advice = self._how_it_ended(code, local)
+        if advice:
+            self.oom.append(f"{wid} ({what}) {ended}")
         c.metrics.write(event="worker_lost", worker=wid, role=role[0], gen_model=role[1], exitcode=code,
-                        retaken_prompts=[p for u in units for p in u.prompt_ids])
+                        retaken_prompts=[p for u in units for p in u.prompt_ids], **({"cause": "oom"} if advice else {}))
         if role[0] == "learner" and not c.roster.groups[role[1]].members:
             restarted = None if c.stopping else self._restart_learner(wid, role[1])
-            print(f"[run] {wid} ({what}) exited with code {code}" + (restarted or ""), file=sys.stderr, flush=True)
+            print(f"[run] {wid} ({what}) {ended}" + (restarted or "") + advice, file=sys.stderr, flush=True)
             if restarted is None:
-                await self.model_leaves(role[1], f"its last learner rank {wid} exited with code {code}")
+                await self.model_leaves(role[1], f"its last learner rank {wid} {ended}")
             return
         if c.stopping:
             return
         if sharded:  # the survivors' shards are no state to re-form from: the group restarts from its checkpoint
             replacement = self._respawn(wid, role)
-            await self._restart_sharded(role[1], f"{wid} ({what}) exited with code {code}", replacement)
+            await self._restart_sharded(role[1], f"{wid} ({what}) {ended}{advice}", replacement)
             return
         action = f"{len(units)} unit(s) go back to the queue" if role[0] != "learner" else \
             f"its group re-forms with {', '.join(c.roster.groups[role[1]].members)}"
@@ -153,15 +174,16 @@ class FailurePolicy:
             lost_inbox = set(c.dispatch.done_prompts[role[1]]) - c.trained[role[1]]
             action += f", whose new leader takes the {len(lost_inbox)} prompts it held untrained from the log"
         replacement = self._respawn(wid, role)
-        print(f"[run] {wid} ({what}) exited with code {code}: {action}; "
+        print(f"[run] {wid} ({what}) {ended}: {action}; "
               + (f"{replacement} takes its place" if replacement else
-                 f"the run goes on with {len(c.roster.assignment)} workers"), file=sys.stderr, flush=True)
+                 f"the run goes on with {len(c.roster.assignment)} workers") + advice, file=sys.stderr, flush=True)
         await c.send_all(messages)
         c.dispatch_all()
 
     async def _broker_died(self, code: int | None) -> bool:
         """Start a new broker on the same endpoints and log; False (and ``fatal`` set) if the run must end."""
-        c, why = self.c, f"the broker exited with code {code} while the run was going"
+        ended, advice = self._how_it_ended(code, True)
+        c, why = self.c, f"the broker {ended}{advice}" if advice else f"the broker {ended} while the run was going"
         if c.stopping or self.broker_restarts >= c.cfg.pool.max_broker_restarts:
             self.fatal = why + ("" if c.stopping else f" (pool.max_broker_restarts={self.broker_restarts} used)")
             print(f"[run] {self.fatal}", file=sys.stderr, flush=True)
