@@ -1,36 +1,56 @@
-"""This project's solo GRPO against TRL's GRPOTrainer, on one setup, scored by one evaluator.
+"""This project's solo GRPO against TRL's GRPOTrainer, on one setup, both final models scored by one evaluator.
 
-The setup is a run config's first model, task and ``[train]`` settings (``configs/smollm2.toml``:
-SmolLM2-135M-Instruct on reasoning-gym's chain_sum). Both systems start from the same weights and
-tokenizer, see the same prompts in the model's chat template, are paid by the project's own verifier
-(``task.verify``: 1 for an exact answer), draw ``group_size`` samples a prompt and ``prompts_per_step``
-prompts a step at the same temperature and completion length, and take AdamW steps at the model's learning
-rate with the same betas, gradient clip, clip range (0.2, 0.28), token-mean loss and no KL. Then each final
-model is scored by ``engine.prep.evaluation.held_out_accuracy`` on the same held-out problems, greedily.
+The setup is a run config's first model (or ``--model``), task and ``[train]`` settings (``configs/smollm2.toml``:
+SmolLM2-135M-Instruct on reasoning-gym's chain_sum), under each side's plain GRPO:
 
-Two budgets: ``--minutes M`` (default: the config's ``run.max_minutes``) gives each system the same
-wall-clock time to train (this project: its RL phase; TRL: ``trainer.train()``), ``--steps N`` the same
-number of optimizer steps, which separates speed from what a step learns. TRL runs in one process with
-torch's threads on every core (its best setting here); this project with its config's ``[pool]``.
+- this project: ``launch.py run`` of the config with that model alone, ``[objective]`` kind grpo (the config's
+  clip range, normalisation, aggregation and kl_coef kept), no live evaluations, no periodic checkpoints (TRL
+  saves none), its ``[pool]`` of worker processes and ``run.mode`` (async by default: generators may run a step
+  or two ahead, their samples importance-weighted).
+- TRL 1.16: ``benchmarks.trl_side`` in one process with ``--trl-threads`` torch threads: GRPOTrainer in float32
+  without gradient checkpointing (TRL's defaults are bf16 autocast and checkpointing), strictly on-policy, on the
+  same prompts in the same order (unshuffled rows: step k trains on problems kQ .. kQ+Q-1, as the project's
+  dispatcher hands them out), rendered to the same token ids; ``trl_side``'s docstring lists every setting.
 
-Per system it prints steps, samples, samples/s, CPU-seconds per sample (the processes' user + system time
-over the training phase), peak memory (summed RSS and PSS of the processes, sampled every second), the
-held-out accuracy before and after with standard errors, and the mean training reward; then
-``gain_ratio`` (this project's gain in points over TRL's) and ``samples_per_s_ratio``. TRL comes with
-the ``[compare]`` extra (``pip install -c constraints.txt -e '.[compare]'``).
+Both start from the same weights and tokenizer, are paid the project's reward (the task's verifier: 1 for an exact
+answer), draw ``group_size`` samples a prompt and ``prompts_per_step`` prompts a step at the same temperature and
+completion length, and take fused-AdamW steps at the model's learning rate with the same betas and gradient clip.
+Each saves its final model; then one scorer, a fresh process per model, loads each from disk in float32
+(``policies.models.build_policy`` of the saved directory) and runs ``engine.prep.evaluation.held_out_accuracy`` on
+the same held-out problems, greedily: "before" is each side's starting checkpoint (TRL's: the config's; this
+project's: its warm start, with ``warmstart_steps = 0`` a float32 copy of the same weights, so the same figure),
+scored once for all seeds, "after" each side's final model. (The project's own in-run final evaluation is kept as
+``acc_after_in_run``: the same figure, unless thread counts tip a greedy tie.)
 
-    python -m benchmarks.trl_compare [--config configs/smollm2.toml] [--minutes 15 | --steps 50] [--seed 0]
-                                     [--set KEY=VALUE ...] [--only project|trl] [--model NAME]
-                                     [--out results/trl_compare/NAME.json]
+Two budgets: ``--minutes M`` (default: the config's ``run.max_minutes``) gives each system the same wall-clock
+time to train (this project: its RL phase; TRL: ``trainer.train()``), ``--steps N`` the same number of optimizer
+steps, which separates speed from what a step learns. ``--seeds 0,1,2`` runs both sides on each seed in turn.
+
+Per system it prints steps, samples, samples/s, CPU-seconds per sample (the processes' user + system time over the
+training phase), peak memory (summed RSS and PSS of the processes, sampled every second), the held-out accuracy
+before and after with standard errors, and the mean training reward; then ``gain_ratio`` (this project's gain in
+points over TRL's), ``samples_per_s_ratio`` and ``pss_ratio`` (this project's peak PSS over TRL's). With several
+seeds the JSON holds each seed's result in ``seeds`` and, in ``summary``, the mean of each side's gain and of each
+ratio with its 95% Student-t interval over the seeds. TRL comes with the ``[compare]`` extra
+(``pip install -c constraints.txt -e '.[compare]'``).
+
+TRL's torch threads: ``--trl-threads N`` (default: every core, as the earlier runs; recorded as ``trl_threads``). To
+pick N, run ``--only trl --steps 3 --set eval.num_problems=1 --trl-threads N`` for each N on an otherwise idle
+machine and keep the N with the highest ``trl.samples_per_s``.
+
+    python -m benchmarks.trl_compare [--config configs/smollm2.toml] [--minutes 15 | --steps 50]
+                                     [--seed 0 | --seeds 0,1,2] [--set KEY=VALUE ...] [--only project|trl]
+                                     [--model NAME] [--trl-threads N] [--out results/trl_compare/NAME.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,22 +61,21 @@ from pathlib import Path
 
 import tomli_w
 
+from benchmarks.trl_side import missing_trl
+
 ROOT = Path(__file__).resolve().parents[1]
 PSS_EVERY = 5  # samples between PSS readings
-CLIP = (0.2, 0.28)  # the project's GRPO defaults (eps_low, eps_high): TRL's epsilon, epsilon_high
-
-
-def missing_trl() -> str | None:
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        return ("the TRL side needs trl and datasets, which are not installed: "
-                "pip install -c constraints.txt -e '.[compare]'")
-    return None
+# the objective fields plain GRPO shares with the config's objective (policies.objective_config.SurrogateConfig)
+SURROGATE = ("eps_low", "eps_high", "behav_weight_cap", "max_staleness", "std_normalise", "adv_eps", "aggregation",
+             "kl_coef")
+# Student t's 0.975 quantile by degrees of freedom; above the table, its Cornish-Fisher expansion (1e-3 at 11)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None, overrides: list[str] = (),
               model: str | None = None) -> dict:
     """The config's first model (or ``model``) alone under solo GRPO, with the budget asked for, no live evals
-    (TRL has none)."""
+    (TRL has none) and a checkpoint only at the end (TRL saves only its final model, outside its timed phase)."""
     from engine.config import ConfigError
     from engine.config.load import apply_override, parse_override
 
@@ -67,10 +86,10 @@ def solo_tree(config: Path, seed: int, minutes: float | None, steps: int | None,
     if model is not None and model not in names:
         raise ConfigError(f"--model {model}: {config} has no such model (it has {', '.join(map(str, names))})")
     tree["models"] = [tree["models"][names.index(model) if model is not None else 0]]
-    objective = {k: v for k, v in tree.get("objective", {}).items() if k in ("kl_coef",)}
+    objective = {k: v for k, v in tree.get("objective", {}).items() if k in SURROGATE}
     tree["objective"] = {"kind": "grpo", **objective}
     run, train, ev = tree.setdefault("run", {}), tree.setdefault("train", {}), tree.setdefault("eval", {})
-    run.update(seed=seed, report=False, tensorboard=False)
+    run.update(seed=seed, report=False, tensorboard=False, checkpoint_every=0)
     ev["every_steps"] = 0
     if steps is not None:
         train["steps"], run["max_minutes"] = steps, 24 * 60.0
@@ -126,19 +145,24 @@ class TreeSampler:
         return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
 
 
-def run_project(tree: dict, workdir: Path) -> dict:
-    config = workdir / "project.toml"
-    config.write_text(tomli_w.dumps(tree))
-    run_dir = workdir / "project-run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config), "--run-dir",
-                             str(run_dir)], cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+def _run(argv: list[str], what: str, out: Path | None = None) -> TreeSampler:
+    """Runs a training child (its output on stderr), sampling its process tree; a failure is one line
+    (SystemExit)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
     sampler = TreeSampler(proc.pid)
     code = proc.wait()
     sampler.stop()
-    if code != 0:
-        raise SystemExit(f"trl_compare: this project's run failed (exit code {code}); its output is above")
+    if code != 0 or (out is not None and not out.exists()):
+        raise SystemExit(f"trl_compare: {what} failed (exit code {code}); its output is above")
+    return sampler
+
+
+def run_project(config: Path, workdir: Path) -> dict:
+    run_dir = workdir / "project-run"
+    sampler = _run([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config), "--run-dir",
+                    str(run_dir)], "this project's run")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    model = tree["models"][0]["name"]
+    model = tomllib.loads(config.read_text())["models"][0]["name"]
     mine = [r for r in records if r.get("model") == model]
     final = next(r for r in mine if r.get("event") == "final")
     steps = [r for r in mine if r.get("event") == "step"]
@@ -149,23 +173,15 @@ def run_project(tree: dict, workdir: Path) -> dict:
     return dict(steps=int(final["step"]), samples=samples, train_s=round(rl_s, 1),
                 samples_per_s=samples / rl_s, cpu_s_per_sample=sampler.cpu_between(start, end) / samples,
                 peak_rss_gib=sampler.peak_rss / 2**30, peak_pss_gib=sampler.peak_pss / 2**30,
-                acc_before=final["warm_accuracy"], se_before=final["warm_accuracy_stderr"],
-                acc_after=final["accuracy"], se_after=final["accuracy_stderr"], eval_n=final["eval_n"],
-                reward_mean=_mean([r.get("reward_mean") for r in steps]),
-                truncated_frac=_mean([r.get("truncated_frac") for r in steps]), run_dir=str(run_dir))
+                acc_after_in_run=final["accuracy"], reward_mean=_mean([r.get("reward_mean") for r in steps]),
+                truncated_frac=_mean([r.get("truncated_frac") for r in steps]),
+                start_checkpoint=final["warm_checkpoint"], final_checkpoint=final["checkpoint"])
 
 
-def run_trl(tree: dict, workdir: Path) -> dict:
-    config = workdir / "trl.toml"
-    config.write_text(tomli_w.dumps(tree))
+def run_trl(config: Path, workdir: Path, threads: int) -> dict:
     out = workdir / "trl-result.json"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.trl_compare", "--trl-child", str(config), str(out)],
-                            cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
-    sampler = TreeSampler(proc.pid)
-    code = proc.wait()
-    sampler.stop()
-    if code != 0 or not out.exists():
-        raise SystemExit(f"trl_compare: the TRL run failed (exit code {code}); its output is above")
+    sampler = _run([sys.executable, "-m", "benchmarks.trl_side", str(config), str(out), str(workdir / "trl-final"),
+                    "--threads", str(threads)], "the TRL run", out)
     result = json.loads(out.read_text())
     start, end = result.pop("train_start"), result.pop("train_end")
     result["cpu_s_per_sample"] = sampler.cpu_between(start, end) / result["samples"]
@@ -173,74 +189,61 @@ def run_trl(tree: dict, workdir: Path) -> dict:
     return result
 
 
-def trl_child(config_path: str, out_path: str) -> int:
-    """TRL's GRPOTrainer on the config's first model; writes its figures to ``out_path`` (a separate process)."""
+class Scorer:
+    """Held-out accuracy of saved models, each loaded in float32 in a fresh process by ``score_child``; a
+    checkpoint is scored once (a side's starting one is its "before" on every seed)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.done = workdir, {}
+
+    def __call__(self, config: Path, checkpoint: str, label: str) -> dict:
+        key = os.path.realpath(checkpoint)
+        if key not in self.done:
+            out = self.workdir / f"score-{len(self.done)}.json"
+            code = subprocess.run([sys.executable, "-m", "benchmarks.trl_compare", "--score-child", str(config),
+                                   checkpoint, label, str(out)], cwd=ROOT, stdout=sys.stderr).returncode
+            if code != 0 or not out.exists():
+                raise SystemExit(f"trl_compare: scoring {checkpoint} failed (exit code {code}); its output is above")
+            self.done[key] = json.loads(out.read_text())
+        return self.done[key]
+
+
+def score_child(config_path: str, checkpoint: str, label: str, out_path: str) -> int:
+    """The config's first model with the weights of ``checkpoint`` (a save_pretrained directory), float32, scored
+    by ``held_out_accuracy`` with the config's ``[eval]`` settings; writes the result to ``out_path``."""
     import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from engine.config import load_run_config, model_spec, tokenizer_cache
     from engine.prep.evaluation import held_out_accuracy
     from policies.models import build_policy
+    from policies.templates import prompt_format
     from tasks.registry import make_task
-    from tasks.rewards import TaskReward
     from tokenbridge import load_tokenizer
 
-    cfg = load_run_config(config_path)
-    m, t = cfg.models[0], cfg.train
     torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(cfg.run.seed)
-    spec = model_spec(m)
+    cfg = load_run_config(config_path)
+    spec = model_spec(cfg.models[0], checkpoint=checkpoint)
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
-    model = build_policy(spec, tokenizer)
-    task = make_task(cfg.task)
-    evaluate = lambda label: held_out_accuracy(model, tokenizer, spec.arch, task, cfg.eval.num_problems,  # noqa: E731
-                                               cfg.eval, t.max_new_tokens, label=label)
-    before = evaluate(f"{m.name} before TRL (held-out)")
-    steps = t.steps if cfg.run.max_minutes >= 24 * 60 else 100_000
-    n_prompts = min(steps, 5_000) * t.prompts_per_step
-    rows = [{"prompt": [{"role": "user", "content": task.problem(i).question}], "prompt_id": i}
-            for i in range(n_prompts)]
-    reward = TaskReward(task)  # the task's verifier in TRL's shape: the same function the project's runs call
-
-    budget_s = cfg.run.max_minutes * 60
-
-    class WallClock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0 = time.time()
-
-        def on_step_end(self, args, state, control, **kw):
-            if time.time() - self.t0 >= budget_s:
-                control.should_training_stop = True
-            return control
-
-    args = GRPOConfig(
-        output_dir=str(Path(out_path).parent / "trl-out"), use_cpu=True, seed=cfg.run.seed, report_to=[],
-        save_strategy="no", logging_steps=1, max_steps=steps, per_device_train_batch_size=t.prompts_per_step * t.group_size,
-        gradient_accumulation_steps=1, num_generations=t.group_size, learning_rate=m.lr or t.lr,
-        lr_scheduler_type="constant", warmup_steps=t.warmup_steps, adam_beta1=t.adam_betas[0],
-        adam_beta2=t.adam_betas[1], weight_decay=0.0, max_grad_norm=t.grad_clip, max_completion_length=t.max_new_tokens,
-        temperature=t.temperature, beta=cfg.objective.kl_coef, epsilon=CLIP[0], epsilon_high=CLIP[1],
-        loss_type="dapo", scale_rewards="group", disable_dropout=True, dataloader_num_workers=0,
-    )
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[WallClock()])
-    started, cpu0 = time.time(), time.process_time()
-    trainer.train()
-    ended = time.time()
-    model = trainer.model
-    after = evaluate(f"{m.name} after TRL (held-out)")
-    logs = [r for r in trainer.state.log_history if "reward" in r]
-    done = trainer.state.global_step
-    samples = done * t.prompts_per_step * t.group_size
-    result = dict(steps=done, samples=samples, train_s=round(ended - started, 1), samples_per_s=samples / (ended - started),
-                  process_cpu_s=time.process_time() - cpu0, train_start=started, train_end=ended,
-                  acc_before=before.accuracy, se_before=before.stderr, acc_after=after.accuracy, se_after=after.stderr,
-                  eval_n=after.n, reward_mean=_mean([r["reward"] for r in logs]),
-                  truncated_frac=_mean([r.get("completions/clipped_ratio") for r in logs]))
-    Path(out_path).write_text(json.dumps(result))
+    model = build_policy(spec, tokenizer)  # load_policy: float32, whatever the saved dtype
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the scorer evaluates in float32"
+    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)  # as this project's evaluations
+    res = held_out_accuracy(model, tokenizer, prompt_format(spec), task, cfg.eval.num_problems, cfg.eval,
+                            cfg.eval_max_new_tokens, label=label)
+    Path(out_path).write_text(json.dumps(dict(accuracy=res.accuracy, stderr=res.stderr, n=res.n,
+                                              truncated=res.truncated)))
     return 0
+
+
+def scored(side: dict, name: str, config: Path, scorer: Scorer, model: str) -> None:
+    """Adds the side's held-out accuracy before (its starting checkpoint) and after (its final model), and its gain
+    in points and in standard errors of the difference."""
+    before = scorer(config, side.pop("start_checkpoint"), f"{model} before {name} (float32, from disk)")
+    after = scorer(config, side.pop("final_checkpoint"), f"{model} after {name} (float32, from disk)")
+    side.update(acc_before=before["accuracy"], se_before=before["stderr"], acc_after=after["accuracy"],
+                se_after=after["stderr"], eval_n=after["n"], eval_truncated=after["truncated"])
+    side["gain_pts"] = 100 * (side["acc_after"] - side["acc_before"])
+    se = math.hypot(side["se_before"], side["se_after"])
+    side["gain_se"] = (side["acc_after"] - side["acc_before"]) / se if se > 0 else None
 
 
 def _mean(values: list) -> float | None:
@@ -248,11 +251,57 @@ def _mean(values: list) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def gain(side: dict) -> None:
-    """Adds the held-out gain in points and in standard errors of the difference."""
-    side["gain_pts"] = 100 * (side["acc_after"] - side["acc_before"])
-    se = math.hypot(side["se_before"], side["se_after"])
-    side["gain_se"] = (side["acc_after"] - side["acc_before"]) / se if se > 0 else None
+def t975(dof: int) -> float:
+    """Student t's 0.975 quantile with ``dof`` degrees of freedom."""
+    if dof in T975:
+        return T975[dof]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * dof**3))
+
+
+def interval(values: list) -> dict:
+    """Mean and 95% Student-t interval (n - 1 degrees of freedom) of the values that exist (a gain ratio does not
+    where TRL gained nothing); no interval from fewer than two."""
+    kept = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not kept:
+        return dict(n=0, mean=None, lo=None, hi=None)
+    mean = statistics.fmean(kept)
+    if len(kept) < 2:
+        return dict(n=1, mean=mean, lo=None, hi=None)
+    half = t975(len(kept) - 1) * statistics.stdev(kept) / math.sqrt(len(kept))
+    return dict(n=len(kept), mean=mean, lo=mean - half, hi=mean + half)
+
+
+def summary(results: list[dict]) -> dict:
+    """Each side's gain and each ratio over the seeds: ``interval`` of each."""
+    pick = {"project_gain_pts": lambda r: r.get("project", {}).get("gain_pts"),
+            "trl_gain_pts": lambda r: r.get("trl", {}).get("gain_pts"),
+            **{k: (lambda r, k=k: r.get(k)) for k in ("gain_ratio", "samples_per_s_ratio", "pss_ratio")}}
+    return {name: interval([get(r) for r in results]) for name, get in pick.items()}
+
+
+def run_seed(tree: dict, workdir: Path, only: str | None, threads: int, scorer: Scorer) -> dict:
+    """Both sides (or ``only`` one) on one seed's tree, trained, then scored."""
+    workdir.mkdir(parents=True)
+    config = workdir / "run.toml"
+    config.write_text(tomli_w.dumps(tree))
+    result: dict = {}
+    for side, train in (("project", lambda: run_project(config, workdir)),
+                        ("trl", lambda: run_trl(config, workdir, threads))):
+        if only in (None, side):
+            print(f"trl_compare: seed {tree['run']['seed']}, {side} ...", file=sys.stderr, flush=True)
+            result[side] = train()
+    model = tree["models"][0]["name"]
+    for side in result:
+        scored(result[side], side, config, scorer, model)
+    shutil.rmtree(workdir)  # the final models (this project's with its AdamW state: ~1.6 GB for SmolLM2) are scored
+    if "project" in result and "trl" in result:
+        p, t = result["project"], result["trl"]
+        result["gain_ratio"] = p["gain_pts"] / t["gain_pts"] if t["gain_pts"] > 0 else None
+        result["samples_per_s_ratio"] = p["samples_per_s"] / t["samples_per_s"]
+        result["pss_ratio"] = p["peak_pss_gib"] / t["peak_pss_gib"] if t["peak_pss_gib"] > 0 else None
+    return result
 
 
 def git_commit() -> str:
@@ -262,22 +311,58 @@ def git_commit() -> str:
     return git("rev-parse", "--short", "HEAD") + ("+local-changes" if dirty else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def seed_list(text: str) -> list[int]:
+    """``--seeds 0,1,2`` as a list; anything else is a ConfigError."""
+    from engine.config import ConfigError
+
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text}: expected distinct whole numbers separated by commas, e.g. 0,1,2")
+    return seeds
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.trl_compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2.toml")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="equal wall-clock training time (default: run.max_minutes)")
     budget.add_argument("--steps", type=int, help="equal optimizer steps instead of equal time")
-    ap.add_argument("--seed", type=int, default=0)
+    seeds = ap.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0)
+    seeds.add_argument("--seeds", help="several seeds in turn, e.g. 0,1,2: each seed's result and "
+                                                       "the mean of each figure with its 95%% interval")
     ap.add_argument("--only", choices=("project", "trl"), help="run one side only")
     ap.add_argument("--model", help="the config's model to train (default: its first); TRL's side needs one "
                                     "with a checkpoint")
+    ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, metavar="N",
+                    help="torch threads of TRL's process (default: every core)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     ap.add_argument("--out", type=Path, help="also write the JSON here (results/trl_compare/NAME.json)")
-    ap.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.trl_child:
-        return trl_child(*args.trl_child)
+    ap.add_argument("--score-child", nargs=4, help=argparse.SUPPRESS)
+    return ap
+
+
+def trees(args) -> list[dict]:
+    """One solo tree per seed; a config problem is a ConfigError."""
+    from engine.config import ConfigError
+
+    if args.trl_threads < 1:
+        raise ConfigError(f"--trl-threads {args.trl_threads}: must be at least 1")
+    seeds = seed_list(args.seeds) if args.seeds is not None else [args.seed]
+    made = [solo_tree(args.config, seed, args.minutes, args.steps, args.set, args.model) for seed in seeds]
+    if args.only != "project" and "checkpoint" not in made[0]["models"][0]:
+        raise ConfigError(f"--model {made[0]['models'][0]['name']}: built from scratch (its warm start is this "
+                          "project's), so TRL has no weights to start it from; add --only project")
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.score_child:
+        return score_child(*args.score_child)
     from engine.config import ConfigError
 
     if args.only != "project" and (problem := missing_trl()):
@@ -287,34 +372,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl_compare: no config file {args.config}", file=sys.stderr)
         return 2
     try:
-        tree = solo_tree(args.config, args.seed, args.minutes, args.steps, args.set, args.model)
-        if args.only != "project" and "checkpoint" not in tree["models"][0]:
-            raise ConfigError(f"--model {tree['models'][0]['name']}: built from scratch (its warm start is this "
-                              "project's), so TRL has no weights to start it from; add --only project")
+        per_seed = trees(args)
     except ConfigError as exc:
         print(f"trl_compare: {exc}", file=sys.stderr)
         return 2
     config = args.config.resolve()
     shown = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
-    result: dict = dict(benchmark="trl_compare", commit=git_commit(), config=str(shown), seed=args.seed,
-                        budget=f"{args.steps} steps" if args.steps else f"{tree['run']['max_minutes']} minutes",
-                        model=tree["models"][0]["name"], cores=os.cpu_count())
+    head: dict = dict(benchmark="trl_compare", commit=git_commit(), config=str(shown),
+                      budget=f"{args.steps} steps" if args.steps else f"{per_seed[0]['run']['max_minutes']} minutes",
+                      model=per_seed[0]["models"][0]["name"], cores=os.cpu_count(), trl_threads=args.trl_threads)
+    results = []
     with tempfile.TemporaryDirectory(prefix="trl-compare-") as tmp:
-        for side, run in (("project", run_project), ("trl", run_trl)):
-            if args.only in (None, side):
-                print(f"trl_compare: {side} ...", file=sys.stderr, flush=True)
-                result[side] = run(tree, Path(tmp))
-                gain(result[side])
-                result[side].pop("run_dir", None)
-    if "project" in result and "trl" in result:
-        p, t = result["project"], result["trl"]
-        result["gain_ratio"] = p["gain_pts"] / t["gain_pts"] if t["gain_pts"] > 0 else None
-        result["samples_per_s_ratio"] = p["samples_per_s"] / t["samples_per_s"]
-    line = json.dumps(result)
+        scorer = Scorer(Path(tmp))
+        for tree in per_seed:
+            seed = tree["run"]["seed"]
+            results.append({**head, "seed": seed, **run_seed(tree, Path(tmp) / f"seed-{seed}", args.only,
+                                                             args.trl_threads, scorer)})
+    result = results[0] if args.seeds is None else {**head, "seeds": results, "summary": summary(results)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(line)
+    print(json.dumps(result))
     return 0
 
 

