@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  for p, t in zip(problems[:8], texts[:8])])
     for first, second in itertools.combinations(verdicts, 2):
         result["pairs"][f"{first}|{second}"] = pair_shares(verdicts[first], verdicts[second])
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

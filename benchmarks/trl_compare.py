@@ -59,6 +59,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from benchmarks import emit
+
 import tomli_w
 
 from benchmarks.trl_side import missing_trl
@@ -389,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({**head, "seed": seed, **run_seed(tree, Path(tmp) / f"seed-{seed}", args.only,
                                                              args.trl_threads, scorer)})
     result = results[0] if args.seeds is None else {**head, "seeds": results, "summary": summary(results)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
