@@ -17,7 +17,6 @@ again whatever was never logged (``engine.schedule.dispatch``).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -46,15 +45,16 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     final = root / f"step-{version:06d}"
     if (root / LATEST).resolve() == final.resolve() and final.is_dir():
         return final  # this step is saved already (a stop right after a periodic checkpoint)
-    trainer = io.BytesIO()
-    torch.save({"optimizer": core.state.optimizer.state_dict(), "rng": core.state.rng.get_state()}, trainer)
     state = {"step": version, "consumed": sorted(core.ingest.consumed), "totals": core.totals}
     tmp = root / f".step-{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    module, files = core.module, {TRAINER: trainer.getvalue(), STATE: json.dumps(state).encode()}
+    module, files = core.module, {STATE: json.dumps(state).encode()}
     if has_adapters(module):  # LoRA: the trained policy for any tool, and the adapters to resume from
         module, files[ADAPTER_FILE] = merged(module), adapter_bytes(module)
     save_policy(module, core.tok, tmp, files)
+    # streamed into its file: serialised into memory first (BytesIO, then its bytes) the optimizer state was held
+    # twice more at the save, 1.1 GB for SmolLM2's AdamW and the run's peak (benchmarks.memory)
+    torch.save({"optimizer": core.state.optimizer.state_dict(), "rng": core.state.rng.get_state()}, tmp / TRAINER)
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
