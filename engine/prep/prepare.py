@@ -144,8 +144,9 @@ def _cached_eval(model, tokenizer, fmt, task, cfg: RunConfig, checkpoint: Path, 
     """The warm start's held-out evaluation: accuracy, stderr, n and truncated (absent from a file written before
     the cut was counted: still read, the cut then unknown)."""
     from engine.prep.evaluation import held_out_accuracy
+    from policies.templates import as_format
 
-    ev = cfg.eval
+    fmt, ev = as_format(fmt), cfg.eval  # a family's name, or a model's prompt format
     # "max_new" is the length the evaluation decodes: with eval.max_new_tokens = 0 it is the training length,
     # as before that key existed, so the caches written then still answer
     # (and "distinct": scored over distinct held-out questions; a cache from before, with a small task's
