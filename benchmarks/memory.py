@@ -152,13 +152,14 @@ def phase_at(records: list[dict], t: float) -> str:
 # ---------------------------------------------------------------- the run, and the breakdown per role
 
 
-def run_tree(tree: dict, workdir: Path) -> tuple[list[Sample], list[dict], int]:
-    """``launch.py run`` of ``tree``, read every second: its samples, its metrics records, its exit code."""
+def run_tree(tree: dict, workdir: Path, run_dir: Path | None = None) -> tuple[list[Sample], list[dict], int]:
+    """``launch.py run`` of ``tree`` (into ``run_dir``, kept, where one is named), read every second: its samples,
+    its metrics records, its exit code."""
     import tomli_w
 
     config = workdir / "memory.toml"
     config.write_text(tomli_w.dumps(tree))
-    run_dir = workdir / "run"
+    run_dir = run_dir or workdir / "run"
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config), "--run-dir",
                              str(run_dir)], cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
     tracker = TreeMemory(proc.pid, RunRoles(run_dir, proc.pid, [m["name"] for m in tree["models"]]))
@@ -300,6 +301,13 @@ def setup(args) -> dict:
 
     batch = tomllib.loads(args.config.read_text()).get("eval", {}).get("batch_size", 100)
     overrides = [f"eval.num_problems={batch}", *args.set]  # the user's --set comes last: it wins
+    if args.as_configured:  # the config as a user runs it: its steps, its minutes, its evaluations
+        from engine.config.load import apply_override, parse_override
+
+        tree = tomllib.loads(args.config.read_text())
+        for text in args.set:
+            apply_override(tree, *parse_override(text), text)
+        return tree
     if args.all_models:
         return _whole_tree(args.config, args.steps, overrides)
     return solo_tree(args.config, 0, None, args.steps, overrides, args.model)
@@ -319,10 +327,12 @@ def _whole_tree(config: Path, steps: int, overrides: list[str]) -> dict:
     return tree
 
 
-def measure(tree: dict, components: bool) -> tuple[list[Sample], list[dict], dict | None, dict | None]:
-    """The run, read as it goes, then (``components``) the components in fresh processes."""
+def measure(tree: dict, components: bool, run_dir: Path | None = None) -> tuple[list[Sample], list[dict], dict | None,
+                                                                            dict | None]:
+    """The run (kept in ``run_dir`` where one is named), read as it goes, then (``components``) the components in
+    fresh processes."""
     with tempfile.TemporaryDirectory(prefix="memory-") as tmp:
-        samples, records, code = run_tree(tree, Path(tmp))
+        samples, records, code = run_tree(tree, Path(tmp), run_dir)
         if code != 0 or not samples:
             raise SystemExit(f"memory: the run failed (exit code {code}); its output is above")
         if not components:
@@ -333,27 +343,37 @@ def measure(tree: dict, components: bool) -> tuple[list[Sample], list[dict], dic
 
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2.toml")
     ap.add_argument("--model", help="the config's model to run alone (default: its first)")
     ap.add_argument("--all-models", action="store_true", help="every model of the config, with its objective")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    ap.add_argument("--as-configured", action="store_true",
+                    help="the config as it is, every model, its steps, minutes and evaluations (with --set)")
+    ap.add_argument("--run-dir", type=Path, help="keep the run there (it must not exist yet)")
     ap.add_argument("--no-components", action="store_true", help="the run's processes only (a quick check)")
     ap.add_argument("--out", type=Path, help="also write the JSON here (results/memory/NAME.json)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.child:
         return child_main(*args.child)
     from engine.config import ConfigError
 
     try:
         tree = setup(args)
+        if args.run_dir is not None and args.run_dir.exists():
+            raise ConfigError(f"--run-dir {args.run_dir}: already exists; name a new directory")
     except (ConfigError, OSError) as exc:
         print(f"memory: {exc}", file=sys.stderr)
         return 2
-    samples, records, runtime, parts = measure(tree, not args.no_components)
+    samples, records, runtime, parts = measure(tree, not args.no_components,
+                                               args.run_dir.resolve() if args.run_dir else None)
     config = args.config.resolve()
     shown = str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config)
     result = report(tree, shown, args.set, summarise(samples), records, runtime, parts)

@@ -24,7 +24,8 @@ scored once for all seeds, "after" each side's final model. (The project's own i
 
 Two budgets: ``--minutes M`` (default: the config's ``run.max_minutes``) gives each system the same wall-clock
 time to train (this project: its RL phase; TRL: ``trainer.train()``), ``--steps N`` the same number of optimizer
-steps, which separates speed from what a step learns. ``--seeds 0,1,2`` runs both sides on each seed in turn.
+steps, which separates speed from what a step learns. ``--seeds 0,1,2`` runs both sides on each seed in turn;
+``--combine A.json B.json ...`` joins seeds run apart (one commit, one setup: checked) into that same JSON.
 
 Per system it prints steps, samples, samples/s, CPU-seconds per sample (the processes' user + system time over the
 training phase), peak memory (summed RSS and PSS of the processes, sampled every second), the held-out accuracy
@@ -41,6 +42,7 @@ machine and keep the N with the highest ``trl.samples_per_s``.
     python -m benchmarks.trl_compare [--config configs/smollm2.toml] [--minutes 15 | --steps 50]
                                      [--seed 0 | --seeds 0,1,2] [--set KEY=VALUE ...] [--only project|trl]
                                      [--model NAME] [--trl-threads N] [--out results/trl_compare/NAME.json]
+    python -m benchmarks.trl_compare --combine SEED0.json SEED1.json ... [--out NAME.json]
 """
 
 from __future__ import annotations
@@ -283,6 +285,34 @@ def summary(results: list[dict]) -> dict:
     return {name: interval([get(r) for r in results]) for name, get in pick.items()}
 
 
+SAME = ("benchmark", "commit", "config", "budget", "model", "cores", "trl_threads")  # what seeds combined must share
+
+
+def combine(paths: list[Path]) -> dict:
+    """Results of single seeds (or of ``--seeds``), run apart, as one ``--seeds`` result: each seed and the summary.
+    They must come from one commit and one setup, each seed once; anything else is a ConfigError naming it."""
+    from engine.config import ConfigError
+
+    results = []
+    for path in paths:
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--combine {path}: not a trl_compare result ({exc})") from None
+        if not isinstance(found, dict) or found.get("benchmark") != "trl_compare":
+            raise ConfigError(f"--combine {path}: not a trl_compare result")
+        results += found["seeds"] if "seeds" in found else [found]
+    for r in results[1:]:
+        if (key := next((k for k in SAME if r.get(k) != results[0].get(k)), None)) is not None:
+            raise ConfigError(f"--combine: seed {r.get('seed')} has {key} {r.get(key)!r} where seed "
+                              f"{results[0].get('seed')} has {results[0].get(key)!r}: combine one commit's one setup")
+    seeds = [r.get("seed") for r in results]
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--combine: seeds {seeds}: each seed once")
+    results.sort(key=lambda r: r["seed"])
+    return {**{k: results[0].get(k) for k in SAME}, "seeds": results, "summary": summary(results)}
+
+
 def run_seed(tree: dict, workdir: Path, only: str | None, threads: int, scorer: Scorer) -> dict:
     """Both sides (or ``only`` one) on one seed's tree, trained, then scored."""
     workdir.mkdir(parents=True)
@@ -343,6 +373,8 @@ def parser() -> argparse.ArgumentParser:
                     help="torch threads of TRL's process (default: every core)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     ap.add_argument("--out", type=Path, help="also write the JSON here (results/trl_compare/NAME.json)")
+    ap.add_argument("--combine", nargs="+", type=Path, metavar="JSON",
+                    help="no run: the results of seeds run apart (one commit, one setup) as one, with the summary")
     ap.add_argument("--score-child", nargs=4, help=argparse.SUPPRESS)
     return ap
 
@@ -367,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         return score_child(*args.score_child)
     from engine.config import ConfigError
 
+    if args.combine:
+        try:
+            return emit(combine(args.combine), args.out)
+        except ConfigError as exc:
+            print(f"trl_compare: {exc}", file=sys.stderr)
+            return 2
     if args.only != "project" and (problem := missing_trl()):
         print(f"trl_compare: {problem}", file=sys.stderr)
         return 2

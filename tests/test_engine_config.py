@@ -255,7 +255,6 @@ def test_launch_refuses_an_sglang_url_where_nothing_answers_or_the_dtype_is_not_
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 @pytest.mark.parametrize("sets, key, named", [
-    (["train.grad_accum=2"], "train.grad_accum", 'train.sharding = "fsdp2"'),
     (["train.activation_checkpointing=true"], "train.activation_checkpointing", 'train.sharding = "fsdp2"'),
     (["train.sharding='fsdp2'", "models.1.lora={rank=4}"], "models.1.lora", "not supported"),
     (["train.sharding='zero3'"], "train.sharding", "fsdp2"),

@@ -171,3 +171,22 @@ def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) ->
             assert ranks[1][name]["figures"]["share_samples"] == 0
             continue
         assert _relative_error(_old_scaling(name), want) > 1e-2, f"{name}: the shares must be unequal enough to tell"
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_seq", "sgt", "prp", "grpo_kl"])
+def test_micro_batches_of_one_rank_give_the_one_batch_update(name) -> None:
+    """``train.grad_accum``: the share run as two pieces (prompts 0-1, then 2-3, of unequal token counts and
+    rescue groups) accumulates the one-batch gradient, and its figures add up as the one batch's do."""
+    torch.set_num_threads(1)
+    want, whole = _one_rank(name)
+    state, pad = _model(name)
+    data, objective = _data(name, state.model.config.vocab_size), _objective(name)
+    own, peers = _chosen(objective, data)
+    figures = train_share(state, data, own, peers, 0, 1, objective, pad, CLIP, LR, accum=2)
+    got = _grads(state)
+    assert _relative_error(got, want) < 1e-5 and figures["grad_norm"] > 0, name
+    assert figures["share_samples"] == whole["share_samples"]
+    for key in ("obj/loss", "obj/tokens", "obj/kl"):
+        assert figures[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    if name == "sgt":
+        assert figures["obj/rescue_set_size"] == whole["obj/rescue_set_size"] == 3.0

@@ -172,3 +172,14 @@ def test_a_tiny_run_has_every_role_and_its_peak_is_its_processes_sum(tmp_path, e
         assert result["roles"][role]["peak_pss"] > 0, role
     at_peak = [p["at_peak"]["pss"] for p in result["per_process"] if "at_peak" in p]
     assert abs(sum(at_peak) - result["peak_pss_mib"]) <= 0.1 * len(at_peak)  # each rounded to 0.1 MiB
+
+
+def test_as_configured_runs_the_config_as_it_is_and_a_kept_run_dir_must_be_new(tmp_path, capsys):
+    from benchmarks.memory import main, parser, setup
+
+    args = parser().parse_args(["--config", "configs/two_families.toml", "--as-configured", "--set", "train.steps=3"])
+    tree = setup(args)
+    assert tree["train"]["steps"] == 3 and tree["run"]["max_minutes"] == 20.0  # its minutes, not the benchmark's
+    assert tree["eval"]["num_problems"] == 1000 and [m["name"] for m in tree["models"]] == ["smollm2", "gemma"]
+    assert main(["--config", "configs/smoke.toml", "--as-configured", "--run-dir", str(tmp_path)]) == 2
+    assert f"--run-dir {tmp_path}: already exists" in capsys.readouterr().err

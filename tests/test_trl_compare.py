@@ -190,3 +190,23 @@ def test_a_bad_seed_list_or_thread_count_is_one_line(flags, said):
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert said in done.stderr
+
+
+def test_seeds_run_apart_combine_into_one_summary_and_other_setups_are_refused(tmp_path):
+    head = {"benchmark": "trl_compare", "commit": "abc1234", "config": "configs/smollm2.toml", "budget": "15.0 minutes",
+            "model": "smollm2", "cores": 2, "trl_threads": 2}
+    for seed, gain in ((0, 4.0), (1, 6.0)):
+        (tmp_path / f"s{seed}.json").write_text(json.dumps({**head, "seed": seed, "project": {"gain_pts": gain},
+                                                            "trl": {"gain_pts": 2.0}, "samples_per_s_ratio": 2.5}))
+    out = tmp_path / "all.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.trl_compare", "--combine", str(tmp_path / "s1.json"),
+                           str(tmp_path / "s0.json"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    made = json.loads(out.read_text())
+    assert [r["seed"] for r in made["seeds"]] == [0, 1] and made["commit"] == "abc1234"
+    assert made["summary"]["project_gain_pts"]["mean"] == 5.0 and made["summary"]["samples_per_s_ratio"]["n"] == 2
+    (tmp_path / "s2.json").write_text(json.dumps({**head, "commit": "def5678", "seed": 2}))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.trl_compare", "--combine", str(tmp_path / "s0.json"),
+                           str(tmp_path / "s2.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "seed 2 has commit 'def5678' where seed 0 has 'abc1234'" in done.stderr

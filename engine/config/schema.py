@@ -97,7 +97,9 @@ class TrainSection(_Section):
     # a learner group of several ranks: "replicate" (each rank holds the whole state, gradients all-reduced) or
     # "fsdp2" (each rank holds 1/world of the weights, gradients and AdamW moments: engine.train.sharding)
     sharding: Literal["replicate", "fsdp2"] = "replicate"
-    grad_accum: PosInt = 1  # fsdp2: micro-batches per rank and step, gradients reduced once after the last
+    # micro-batches per rank and step: a step's activations held a piece at a time, gradients added (and, across
+    # ranks, reduced once) after the last; the update is the one-batch update, to float rounding
+    grad_accum: PosInt = 1
     activation_checkpointing: bool = False  # fsdp2: recompute each block's activations in backward
     # fsdp2: "bf16" computes forward and backward in bfloat16; master weights, gradient reduction and AdamW stay fp32
     mixed_precision: Literal["fp32", "bf16"] = "fp32"

@@ -138,8 +138,8 @@ def _peft_missing() -> str | None:
 def _sharding(cfg: RunConfig, origin: Origin) -> None:
     t = cfg.train
     if t.sharding == "replicate":
-        for key, value, plain in (("grad_accum", t.grad_accum, 1), ("activation_checkpointing", t.activation_checkpointing,
-                                                                     False), ("mixed_precision", t.mixed_precision, "fp32")):
+        for key, value, plain in (("activation_checkpointing", t.activation_checkpointing, False),
+                                  ("mixed_precision", t.mixed_precision, "fp32")):
             if value != plain:
                 raise origin.error(f"train.{key}", 'applies to sharded learners only: set train.sharding = "fsdp2"')
         return

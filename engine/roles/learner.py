@@ -216,7 +216,8 @@ async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
     data, own, peers = dp.decode_step(raw)
     started = time.time()
     lr = learning_rate(core.lr, core.state.version, core.cfg.train.warmup_steps)
-    step = dp.collective(core.twin.step) if core.twin is not None else functools.partial(train_share, core.state)
+    step = dp.collective(core.twin.step) if core.twin is not None else \
+        functools.partial(train_share, core.state, accum=core.cfg.train.grad_accum)
     result = await asyncio.to_thread(step, data, own, peers, rank, world, core.cfg.objective, core.pad_id,
                                      core.cfg.train.grad_clip, lr)
     await core.worker.pad_to_budget("train", core.model_name, started, result["share_samples"])

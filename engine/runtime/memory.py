@@ -55,8 +55,8 @@ def lower_it(cfg) -> str:
     """The settings that lower a run's peak memory, with their values: said by the refusal before a run and by
     the report of an out-of-memory kill during one."""
     t = cfg.train
-    return (f"fewer pool.workers ({cfg.pool.workers}), a smaller train.prompts_per_step ({t.prompts_per_step}) or "
-            f"train.group_size ({t.group_size}), or LoRA ([models.lora])")
+    return (f"fewer pool.workers ({cfg.pool.workers}), more train.grad_accum micro-batches ({t.grad_accum}), a smaller "
+            f"train.prompts_per_step ({t.prompts_per_step}) or train.group_size ({t.group_size}), or LoRA ([models.lora])")
 
 
 def _meminfo() -> dict[str, int]:

@@ -43,7 +43,7 @@ from engine.train import group as dp
 from engine.train.batching import build_batch, forward_count
 from policies import logprobs
 from engine.train.optim import adamw
-from engine.train.step import step_totals
+from engine.train.step import merge_stats, micro_batches, step_totals
 from policies.objectives import compute_loss
 
 BF16_MASTER_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -85,17 +85,6 @@ def _unsharded_token_logprobs(model: torch.nn.Module, *args) -> torch.Tensor:
     return logprobs.token_logprobs(model, *args, sharded=False)
 
 
-def micro_batches(share: list[int], accum: int) -> list[list[int]]:
-    """``share`` cut into ``accum`` consecutive pieces (as even as can be; some may be empty)."""
-    size, extra = divmod(len(share), accum)
-    out, start = [], 0
-    for i in range(accum):
-        end = start + size + (i < extra)
-        out.append(share[start:end])
-        start = end
-    return out
-
-
 def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, world: int, objective,
                  pad_id: int, grad_clip: float, lr: float, accum: int = 1) -> dict:
     """This rank's part of one sharded optimizer step; every rank of the mesh must call it.
@@ -103,7 +92,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
     ``own`` and ``peers`` are what the objective reads (``engine.train.step.peers_for``), as for train_share."""
     started = time.time()
     state.optimizer.zero_grad(set_to_none=True)
-    stats: dict = {}
+    done = []
     pieces = micro_batches(data.prompts[rank::world], accum)
     totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id)  # a collective: every rank
     for i, piece in enumerate(pieces):
@@ -119,7 +108,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
         loss = loss + _padding_forwards(state.model, most - forwards, pad_id)
         if loss.requires_grad:
             loss.backward()
-        stats = piece_stats or stats
+        done.append((piece_stats, len(own_p)))
     grad_norm = torch.nn.utils.clip_grad_norm_(state.params, grad_clip)
     for g in state.optimizer.param_groups:
         g["lr"] = lr
@@ -127,7 +116,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
     state.version += 1
     return {"busy_s": time.time() - started, "grad_norm": _plain(grad_norm),
             "share_samples": sum(s.prompt_id in set(data.prompts[rank::world]) for s in own),
-            **{f"obj/{k}": float(v) for k, v in stats.items()}}
+            **{f"obj/{k}": float(v) for k, v in merge_stats(done).items()}}
 
 
 def _plain(value: torch.Tensor) -> float:

@@ -54,25 +54,67 @@ def step_totals(state: dp.TrainState, data: dp.StepData, own, peers, pieces: lis
     return given_totals(dp.allreduce_counts(counts) if world > 1 else counts)
 
 
+def micro_batches(share: list[int], accum: int) -> list[list[int]]:
+    """``share`` cut into ``accum`` consecutive pieces (as even as can be; some may be empty)."""
+    size, extra = divmod(len(share), accum)
+    out, start = [], 0
+    for i in range(accum):
+        end = start + size + (i < extra)
+        out.append(share[start:end])
+        start = end
+    return out
+
+
+# Piece figures that add up to the step's: its loss terms (each piece's numerator over the step's denominators)
+# and counts; a figure named *_max is the largest piece's; any other is a mean, weighted by the piece's samples.
+_ADDED = ("loss", "pg_loss", "kl", "sgt_nll", "tokens", "peer_tokens")
+_ADDED_SUFFIXES = ("_dropped", "_groups", "_size")
+
+
+def merge_stats(pieces: list[tuple[dict, int]]) -> dict:
+    """One step's objective figures from its micro-batches' ``(stats, samples)``."""
+    pieces = [(stats, n) for stats, n in pieces if stats]
+    if len(pieces) <= 1:
+        return pieces[0][0] if pieces else {}
+    weight = sum(n for _, n in pieces) or 1
+    out: dict = {}
+    for key in pieces[0][0]:
+        values = [(float(stats[key]), n) for stats, n in pieces if key in stats]
+        if key in _ADDED or key.endswith(_ADDED_SUFFIXES):
+            out[key] = sum(v for v, _ in values)
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in values)
+        else:
+            out[key] = sum(v * n for v, n in values) / weight
+    return out
+
+
 def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, world: int, objective,
-                pad_id: int, grad_clip: float, lr: float) -> dict:
+                pad_id: int, grad_clip: float, lr: float, accum: int = 1) -> dict:
     """This rank's part of one data-parallel step; every rank of the group must call it (an empty share too).
 
+    ``accum`` > 1 runs the share as that many micro-batches, one forward and backward each, gradients added
+    before the one update: a step's activations are held a piece at a time (``train.grad_accum``). Each piece's
+    loss is its numerator over the whole step's denominators, so the pieces add up to the one-batch loss.
     Returns its figures (``obj/*`` from its share: see the module doc)."""
     started = time.time()
     share = data.prompts[rank::world]
-    mine = set(share)
-    own_r = [s for s in own if s.prompt_id in mine]
-    peers_r = [p for p in peers if p.prompt_id in mine]
-    stats: dict = {}
+    pieces = [p for p in micro_batches(share, accum) if p] or [[]]
     state.optimizer.zero_grad(set_to_none=True)
-    totals = step_totals(state, data, own_r, peers_r, [share], world, objective, pad_id) if world > 1 else None
-    if share:
-        batch = build_batch(state.model, own_r, peers_r, share, state.version, pad_id, data.peer_version,
-                            reference=state.reference)  # ref_logp when objective.kl_coef > 0
-        batch.totals = totals  # None on one rank: the batch is the whole step's, divided by its own counts
+    # one piece on one rank divides by its own counts (None); otherwise every piece by the step's
+    totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id) \
+        if world > 1 or len(pieces) > 1 else None
+    done, samples = [], 0
+    for piece in (p for p in pieces if p):
+        mine = set(piece)
+        own_p = [s for s in own if s.prompt_id in mine]
+        batch = build_batch(state.model, own_p, [p for p in peers if p.prompt_id in mine], piece, state.version,
+                            pad_id, data.peer_version, reference=state.reference)  # ref_logp when kl_coef > 0
+        batch.totals = totals
         loss, stats = compute_loss(batch, objective, state.rng)
         loss.backward()
+        done.append((stats, len(own_p)))
+        samples += len(own_p)
     if world > 1:
         dp.allreduce_grads(state.params)
     grad_norm = torch.nn.utils.clip_grad_norm_(state.params, grad_clip)
@@ -80,5 +122,5 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
         g["lr"] = lr
     state.optimizer.step()
     state.version += 1
-    return {"busy_s": time.time() - started, "share_samples": len(own_r), "grad_norm": float(grad_norm),
-            **{f"obj/{k}": float(v) for k, v in stats.items()}}
+    return {"busy_s": time.time() - started, "share_samples": samples, "grad_norm": float(grad_norm),
+            **{f"obj/{k}": float(v) for k, v in merge_stats(done).items()}}
