@@ -26,6 +26,7 @@ import msgspec
 from engine import session
 from engine.config import ConfigError, RunConfig, config_from_tree
 from engine.config.load import Origin, read_toml
+from engine.config.trl_names import TRL_NAMES, trl_hint
 from mutual_rl.inputs import Inputs, remove_inputs, resolved
 
 Callback = Callable[[dict], None]
@@ -72,7 +73,8 @@ class Trainer:
     runs/<timestamp>); ``callbacks``: functions called with each ``metrics.jsonl`` record of a learner step
     (``event`` "step", with ``accuracy`` when it was evaluated), of a final evaluation ("final") and, last, with
     ``{"event": "end", "result": TrainResult}``; ``quiet``: no live display; ``sections``: whole config sections,
-    merged into the config's (a dict into a table, anything else replacing it)."""
+    merged into the config's (a dict into a table, anything else replacing it). A keyword of TRL's
+    (``learning_rate=``, ``output_dir=``, ``args=``) is refused in one line naming its equivalent here."""
 
     def __init__(self, config: str | Path | dict | RunConfig | None = None, *, run_dir: str | Path | None = None,
                  callbacks: list[Callback] = (), quiet: bool = False, reward_funcs: Any = None,
@@ -142,6 +144,8 @@ def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str
         tree, where = read_toml(config), str(config)
     applied = []
     for key, value in sections.items():
+        if key not in RunConfig.__struct_fields__ and (said := _trl_keyword(key, value)):
+            raise ConfigError(said)
         if isinstance(value, msgspec.Struct):
             value = msgspec.to_builtins(value)
         if isinstance(value, dict) and isinstance(tree.get(key), dict):
@@ -152,6 +156,25 @@ def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str
     if inputs is not None:
         applied += inputs.apply(tree, sections)
     return config_from_tree(tree, ApiOrigin(where, applied))
+
+
+_ARGUMENTS = ("run_dir", "quiet", "callbacks", "reward_funcs", "reward_weights", "train_dataset", "eval_dataset")
+
+
+def _trl_keyword(key: str, value: Any) -> str | None:
+    """The error for a keyword of TRL's (``learning_rate=``, ``output_dir=``, ``args=``) that is no argument of
+    ``Trainer``: its name here, written as the keyword to pass where there is one; None for any other keyword."""
+    said = trl_hint(key)
+    if said is None:
+        return None
+    here = TRL_NAMES[key].here or ""
+    section, _, field = here.partition(".")
+    shown = repr(value) if len(repr(value)) <= 40 else "..."
+    if section in RunConfig.__struct_fields__ and field.isidentifier():
+        said += f": Trainer(..., {section}={{{field!r}: {shown}}})"
+    elif here in _ARGUMENTS:
+        said += f": Trainer(..., {here}={shown})"
+    return f"Trainer({key}=...): not an argument of Trainer; {said}"
 
 
 def run_in_place(cfg: RunConfig, run_dir: Path, resuming: bool, callbacks: list[Callback], quiet: bool,

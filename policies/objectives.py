@@ -80,6 +80,11 @@ def _own_term(batch: ObjectiveBatch, config: SurrogateConfig, adv: Tensor, fresh
     kept_adv = adv.detach()[fresh.keep].float()
     stats = {
         "clip_frac": masked_mean(tok.clipped.float(), mask),
+        # the region's two sides, as TRL logs them: a ratio below 1 - eps_low where the advantage is negative,
+        # above 1 + eps_high where it is positive (their union is clip_frac)
+        "clip_low_frac": masked_mean(((tok.ratio < 1.0 - config.eps_low) & (adv.detach()[:, None] < 0)).float(), mask),
+        "clip_high_frac": masked_mean(((tok.ratio > 1.0 + config.eps_high) & (adv.detach()[:, None] > 0)).float(),
+                                      mask),
         "ratio_mean": masked_mean(tok.ratio, mask),
         "iw_mean": masked_mean(iw, mask),
         "iw_max": float(iw.detach()[mask > 0].max()) if bool((mask > 0).any()) else 0.0,

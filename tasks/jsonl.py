@@ -1,9 +1,11 @@
 """Problems from a local JSONL file: one {"prompt": ..., "answer": ...} object a line.
 
-Answers are checked strictly by default (``answer_check = "strict"``): the completion's one answer is read where
-an answer may stand (``tasks.answers.strict_answer``: a ``\\boxed{}``, an ``Answer:`` line, or a number or
-expression at the very end), then compared with the reference, exactly for plain numbers and with math-verify
-(up to mathematical equivalence) otherwise. ``answer_check = "math_verify"`` hands math-verify the whole
+Answers are checked strictly by default (``answer_check = "strict"``). A reference that is a plain number
+("42", "-3", "2.5", "1,234", "3/4") is matched only by the one number the completion states as its answer
+(``tasks.answers.stated_number``): never by an expression that evaluates to it, nor among several candidates.
+Any other reference is compared with math-verify (up to mathematical equivalence) to the completion's one answer
+read where an answer may stand (``tasks.answers.strict_answer``: a ``\\boxed{}``, an ``Answer:`` line, or a number
+or expression at the very end). ``answer_check = "math_verify"`` hands math-verify the whole
 completion instead, which finds an answer almost anywhere ("2abc99" reads 2): lenient, and a reward to be
 hacked. The file is validated when the task is made: the first bad line is one TaskFileError naming the file and
 the line.
@@ -18,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from tasks.answers import plain_number, strict_answer
+from tasks.answers import plain_number, stated_number, strict_answer
 from tasks.base import Problem, Verdict, is_held_out, register_task
 from tasks.bounded import BoundedVerifier
 
@@ -36,7 +38,8 @@ class JsonlConfig(msgspec.Struct, tag="jsonl", tag_field="kind", forbid_unknown_
     eval_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.1  # used when no eval_path
     seed: int = 0  # shuffles the training order
     verify_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a completion still unjudged then is wrong
-    # "strict": the one answer where an answer stands (boxed, an Answer: line, the end); "math_verify": anywhere
+    # "strict": the one answer where an answer stands (boxed, an Answer: line, the end), a number only as a number
+    # (never "2 + 3" or "6 or 5" for 5); "math_verify": anywhere
     answer_check: Literal["strict", "math_verify"] = "strict"
 
 
@@ -97,11 +100,12 @@ class AnswerJudge:
 
     def __call__(self, gold: str, completion_text: str) -> Verdict:
         if self.answer_check == "strict":
+            if (want := plain_number(gold.strip())) is not None:  # never math-verify: it pays "2 + 3" and "6 or 5"
+                right = stated_number(completion_text) == want
+                return Verdict(reward=float(right), verified=right)
             answer = strict_answer(completion_text)
             if answer is None:
                 return Verdict(reward=0.0, verified=False)
-            if (given := plain_number(answer)) is not None and (want := plain_number(gold)) is not None:
-                return Verdict(reward=float(given == want), verified=given == want)
             completion_text = f"${answer}$"
         correct = self._verifier.check(_gold_text(gold), completion_text)
         if correct is None and self._verifier.timeouts == 1:

@@ -25,6 +25,7 @@ when every function that judged it gave at least 1.0.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import math
@@ -33,26 +34,29 @@ import sys
 import traceback
 from typing import Any, Callable, Sequence
 
-from tasks.answers import plain_number, strict_answer
+from tasks.answers import plain_number, stated_number, strict_answer
 from tasks.base import Problem, Task, Verdict, VerifierError, task_identity, verify_safely
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
 
 def exact_answer(prompts, completions, answer, **_) -> list[float | None]:
-    """1.0 where the completion's one answer (``tasks.answers.strict_answer``) equals ``answer`` (as numbers
-    where both are plain ones, else as text), 0.0 where it does not, None where the row has no answer."""
+    """1.0 where the completion's one answer equals ``answer``: for a plain number, the one number it states
+    (``tasks.answers.stated_number``); else its answer where one stands (``strict_answer``), as text. 0.0 where
+    it does not, None where the row has no answer."""
     out: list[float | None] = []
     for completion, gold in zip(completions, answer):
         text = _text(completion)
         if gold is None or str(gold).strip() == "":
             out.append(None)
             continue
-        given, gold = strict_answer(text), str(gold).strip()
+        gold = str(gold).strip()
+        if (want := plain_number(gold)) is not None:  # a number only as a number: never "2 + 3" or "6 or 5"
+            out.append(float(stated_number(text) == want))
+            continue
+        given = strict_answer(text)
         if given is None:
             out.append(0.0)
-        elif (a := plain_number(given)) is not None and (b := plain_number(gold)) is not None:
-            out.append(float(a == b))
         else:
             out.append(float(given == gold))
     return out
@@ -116,6 +120,19 @@ def load_reward(spec: str) -> RewardFunction:
     return found
 
 
+def spec_identity(spec: str) -> str:
+    """What a ``reward.funcs`` entry is, for cache keys: a pickled function by its bytes, not by its file's path
+    (each run writes its own copy under its run directory: two runs of one script would never share a warm start);
+    a name as itself."""
+    if not spec.startswith("file:"):
+        return spec
+    try:
+        with open(spec.removeprefix("file:"), "rb") as f:
+            return "pickled:" + hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return spec  # not readable here: the loader says why when it is needed
+
+
 def _unpickle(path: str) -> RewardFunction:
     import cloudpickle
 
@@ -156,7 +173,7 @@ class RewardedTask:
         # the verdict's success is the task's where "task" is a function: caches of it (warm starts, evaluations)
         # hold for any other functions; otherwise the functions decide it
         self.identity = task_identity(task) if "task" in self.specs else {"task": task_identity(task),
-                                                                           "reward": self.specs}
+                                                                           "reward": [spec_identity(s) for s in self.specs]}
 
     def problem(self, prompt_id: int) -> Problem:
         return self.task.problem(prompt_id)

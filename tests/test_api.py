@@ -42,15 +42,19 @@ def _as_a_user(tmp_path: Path, engine_cache: Path) -> dict:
     return {**os.environ, "MUTUAL_RL_CACHE": str(engine_cache)}
 
 
-CHECK_RUN = """
+TRL_NAMES = ("reward", "reward_std", "frac_reward_zero_std", "rewards/brief/std", "completions/mean_length",
+             "completions/min_length", "completions/max_length", "completions/clipped_ratio", "learning_rate",
+             "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CHECK_RUN = f"TRL_NAMES = {TRL_NAMES!r}\n" + """
 import glob, json, math
 run_dir = result.run_dir
 steps = [json.loads(l) for l in open(run_dir / "metrics.jsonl") if '"event": "step"' in l]
 parts = [(r["reward_mean"], r["rewards/task/mean"], r["rewards/brief/mean"]) for r in steps]
+trl = [{k: r.get(k) for k in TRL_NAMES} for r in steps]
 print("RESULT", json.dumps({"status": result.status, "code": result.exit_code, "run_dir": str(run_dir),
                             "steps": {m: v.steps for m, v in result.models.items()},
                             "accuracy": {m: [v.accuracy_before, v.accuracy_after, v.eval_n] for m, v in result.models.items()},
-                            "parts": parts, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
+                            "parts": parts, "trl": trl, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
 """
 
 
@@ -63,6 +67,12 @@ def _check_example_run(out: str) -> dict:
     assert len(said["parts"]) == 24  # each model's 12 steps, each with both functions' means (TRL's names)
     for mean, task, brief in said["parts"]:
         assert mean == pytest.approx(task + 0.2 * brief) and 0.0 <= task <= 1.0 and 0.0 <= brief <= 1.0
+    for (mean, *_), trl in zip(said["parts"], said["trl"]):  # what a TRL user reads first, under TRL's names
+        assert trl["reward"] == pytest.approx(mean) and trl["reward_std"] >= 0.0 and trl["learning_rate"] > 0
+        assert 1 <= trl["completions/min_length"] <= trl["completions/mean_length"] <= trl["completions/max_length"]
+        assert 0.0 <= trl["completions/clipped_ratio"] <= 1.0 and trl["entropy"] > 0.0
+        assert trl["clip_ratio/region_mean"] == pytest.approx(trl["clip_ratio/low_mean"] + trl["clip_ratio/high_mean"])
+        assert 0.0 <= trl["frac_reward_zero_std"] <= 1.0 and trl["rewards/brief/std"] >= 0.0
     assert [Path(f).name for f in said["funcs"]] == ["reward-1-brief.pkl"]  # the cell's function, pickled
     config = (Path(said["run_dir"]) / "config.toml").read_text()
     assert f'"file:{said["run_dir"]}/inputs/reward-1-brief.pkl"' in config  # what a resume reads

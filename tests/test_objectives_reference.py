@@ -184,6 +184,9 @@ def test_matches_slow_reference(cfg, seed):
 def test_reference_batches_exercise_clipping_truncation_and_staleness():
     stats = compute_loss(random_batch(0), PRPConfig(variant="token"), torch.Generator().manual_seed(0))[1]
     assert stats["clip_frac"] > 0
+    # TRL's clip_ratio/low_mean and high_mean: the two sides of the region, which together are clip_frac
+    assert stats["clip_low_frac"] > 0
+    assert stats["clip_low_frac"] + stats["clip_high_frac"] == pytest.approx(stats["clip_frac"])
     assert stats["iw_truncated_frac"] > 0
     assert stats["staleness_dropped"] > 0
     assert 0 < stats["w_truncated_frac"] < 1

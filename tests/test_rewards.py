@@ -173,3 +173,41 @@ def test_the_tasks_verifier_is_a_reward_function_trl_can_call(tmp_path):
     assert reward(prompts=[p.question for p in problems], completions=chat, prompt_id=[0, 1, 2]) == [1.0, 1.0, 0.0]
     assert reward.__name__ == "task"  # what TRL logs it under, as this project does
     assert reward(prompts=[], completions=[" 1"], problem=[problems[0]]) == [float(problems[0].answer == "1")]
+
+
+SCRIPT = '''
+import sys
+from pathlib import Path
+from mutual_rl.inputs import Inputs
+
+def brevity(completions, **kwargs):
+    return [1.0 if len(c) < LIMIT else 0.0 for c in completions]
+
+LIMIT = int(sys.argv[2])
+inputs = Inputs([brevity], None, None, None)
+(file, data), = inputs.pickled.items()
+out = Path(sys.argv[1]) / "inputs" / file  # where a Trainer writes it: under its own run directory
+out.parent.mkdir(parents=True)
+out.write_bytes(data)
+print(out)
+'''
+
+
+def test_one_function_pickled_by_two_runs_is_one_cache_identity_and_another_is_not(dataset_file, tmp_path):
+    """A warm start (and a cached evaluation) is keyed by what the function is, not by the run directory its
+    pickle lies in: two runs of one script share it; a changed function does not."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+
+    def pickled(run: str, limit: int) -> str:
+        done = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(tmp_path / run), str(limit)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    first, second, other = pickled("run-a", 20), pickled("run-b", 20), pickled("run-c", 30)
+    identity = lambda path: _task(dataset_file, [f"file:{path}"]).identity  # noqa: E731
+    assert first != second and identity(first) == identity(second)
+    assert identity(first) != identity(other)

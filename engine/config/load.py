@@ -1,7 +1,8 @@
 """TOML -> typed config, with ``--set a.b=c`` overrides and errors that name the key and where it came from.
 
 An error in a value given with ``--set`` names the flag, not the file; a misspelled key
-gets the closest existing names ("did you mean ...").
+gets the closest existing names ("did you mean ..."), and a key of TRL's ``GRPOConfig`` the key here
+(``engine.config.trl_names``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+
+from engine.config.trl_names import trl_hint
 
 T = TypeVar("T")
 
@@ -106,7 +109,8 @@ def convert(tree: dict, cls: type[T], origin: Origin) -> T:
         if text.startswith("object contains unknown field "):
             unknown = text.removeprefix("object contains unknown field ")
             full = f"{key}.{unknown}" if key else unknown
-            hint = did_you_mean(unknown, _fields_at(cls, tree, key))
+            trl = trl_hint(unknown)  # a name carried over from TRL: its key here, not a spelling guess
+            hint = f"; {trl}" if trl else did_you_mean(unknown, _fields_at(cls, tree, key))
             raise ConfigError(f"{origin.of(full)}: {key or '(top level)'}: unknown field {unknown}{hint}") from None
         if text.startswith("invalid value") and key.split(".")[-1] == "kind":  # a tagged union's tag
             parent = key.rpartition(".")[0]

@@ -41,6 +41,7 @@ from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.sharding import ShardedTwin
 from engine.train.step import learning_rate, peers_for, train_share
+from engine.train.trl_metrics import trl_step_metrics
 from exchange.log import fsync_log
 from exchange.protocol import SCHEMA_VERSION, Stats, WeightsReady
 
@@ -223,6 +224,7 @@ async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
     await core.worker.pad_to_budget("train", core.model_name, started, result["share_samples"])
     result["busy_s"] = time.time() - started
     result["peer_used"] = len(peers)
+    result["learning_rate"] = lr
     return result
 
 
@@ -264,6 +266,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
         world=len(group.members), epoch=group.epoch, solo=p.solo, peers_gone=sorted(w.inbox.gone),
         idle_s=round(p.idle_s, 4), peer_wait_s=round(p.peer_wait_s, 4), step_s=round(result.pop("busy_s"), 4),
         **_reward_means(w.task, p.own), **t, **result)
+    record.update(trl_step_metrics(p.own, record["learning_rate"], result, getattr(w.task, "names", ())))
     if core.cfg.pool.script or core.cfg.pool.allocator == "mwra":
         record["params_digest"] = dp.params_digest(core.module)  # lets a test check every hand-over bit for bit
     ev = core.cfg.eval

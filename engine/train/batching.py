@@ -45,6 +45,7 @@ class OwnSample(msgspec.Struct, array_like=True):
     weight_version: int
     prompt_id: int
     reward_parts: list[float] = []  # each reward function's reward (NaN: abstained), with [reward] funcs set
+    finished: bool = True  # it ended on an end token (False: cut at train.max_new_tokens)
 
 
 class PeerSample(msgspec.Struct, array_like=True):

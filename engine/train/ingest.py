@@ -99,6 +99,7 @@ class Ingest:
             prompt_ids=exp.prompt_array, completion_ids=exp.completion_array,
             behaviour_logprobs=exp.logprob_array, reward=exp.reward, verified=exp.verified,
             weight_version=exp.weight_version, prompt_id=exp.prompt_id, reward_parts=exp.reward_parts,
+            finished=exp.finish_reason == "stop",
         ))
         self.cut[exp.prompt_id] += exp.finish_reason == "length"
         if len(group) == exp.group_size:
