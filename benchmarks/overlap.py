@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.prep.evaluation import held_out_problems
-    from tasks.registry import make_task
+    from engine.config import run_task
 
     torch.manual_seed(cfg.run.seed)
-    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)
+    task = run_task(cfg)
     problems = held_out_problems(task, args.problems or cfg.eval.num_problems)
     result: dict = dict(benchmark="overlap", config=str(args.config), n=len(problems), models={}, pairs={})
     verdicts = {}

@@ -221,7 +221,7 @@ def score_child(config_path: str, checkpoint: str, label: str, out_path: str) ->
     from engine.prep.evaluation import held_out_accuracy
     from policies.models import build_policy
     from policies.templates import prompt_format
-    from tasks.registry import make_task
+    from engine.config import run_task
     from tokenbridge import load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -230,7 +230,7 @@ def score_child(config_path: str, checkpoint: str, label: str, out_path: str) ->
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
     model = build_policy(spec, tokenizer)  # load_policy: float32, whatever the saved dtype
     assert all(p.dtype == torch.float32 for p in model.parameters()), "the scorer evaluates in float32"
-    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)  # as this project's evaluations
+    task = run_task(cfg)  # as this project's evaluations
     res = held_out_accuracy(model, tokenizer, prompt_format(spec), task, cfg.eval.num_problems, cfg.eval,
                             cfg.eval_max_new_tokens, label=label)
     Path(out_path).write_text(json.dumps(dict(accuracy=res.accuracy, stderr=res.stderr, n=res.n,

@@ -161,7 +161,7 @@ def run(config_path: str, out_path: str, model_dir: str, threads: int) -> int:
     from engine.config import load_run_config, model_spec, tokenizer_cache
     from policies.models import build_policy, save_policy
     from policies.templates import end_ids, prompt_format
-    from tasks.registry import make_task
+    from engine.config import run_task
     from tasks.rewards import TaskReward
     from tokenbridge import load_tokenizer
 
@@ -174,7 +174,7 @@ def run(config_path: str, out_path: str, model_dir: str, threads: int) -> int:
     model = build_policy(spec, tokenizer)
     # stop where this project's generator stops: EOS (and a base model's line breaks with end = "newline")
     model.generation_config.eos_token_id = list(end_ids(tokenizer, fmt.end))
-    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)  # the reward this project's workers pay
+    task = run_task(cfg)  # the reward this project's workers pay
     rows = trl_rows(task, tokenizer, fmt, min(trl_steps(cfg), MAX_ROWS_STEPS) * t.prompts_per_step)
     args = GRPOConfig(**trl_args(cfg, Path(out_path).parent / "trl-out"))
     trainer = GRPOTrainer(model=model, reward_funcs=[TaskReward(task)], args=args,

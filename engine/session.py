@@ -14,7 +14,7 @@ def preflight(cfg, forked: bool = False) -> None:
     imported already, so that the launcher never imports them (3-5 s of CPU a run)."""
     from engine.config import ConfigError
     from tasks.jsonl import TaskFileError
-    from tasks.registry import make_task
+    from engine.config import run_task
     from tasks.rewards import RewardLoadError
 
     if forked:
@@ -26,7 +26,7 @@ def preflight(cfg, forked: bool = False) -> None:
     if problem:
         raise ConfigError(problem)
     try:
-        task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)
+        task = run_task(cfg)
     except RewardLoadError as exc:
         raise ConfigError(f"reward.funcs: {exc}") from None
     except (OSError, ValueError, TaskFileError) as exc:

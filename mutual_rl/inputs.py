@@ -19,12 +19,20 @@ PENDING = "<run_dir>"  # where the config points before the run directory exists
 class Inputs:
     """The Python objects of one Trainer, checked when it is made and written when it trains."""
 
-    def __init__(self, reward_funcs: Any, reward_weights: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    def __init__(self, reward_funcs: Any, reward_weights: Any, train_dataset: Any, eval_dataset: Any,
+                 reward_nan: Any = None, success: Any = None) -> None:
         funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
         self.pickled: dict[str, bytes] = {}  # file name -> a reward function, pickled
         self.funcs: list[str] = [self._spec(i, f) for i, f in enumerate(funcs)]
+        # the functions as given, by their reward.funcs entry: checked by a dry call before anything is pickled
+        self.callables = {spec: f for spec, f in zip(self.funcs, funcs) if not isinstance(f, str)}
         self.weights = None if reward_weights is None else [_weight(i, w) for i, w in enumerate(reward_weights)]
+        self.nan = reward_nan  # reward.nan, checked with the config
+        self.success = success  # reward.success; a function is one more reward function, weighed 0: it judges only
+        if callable(success):
+            self.success_spec = self._spec(len(funcs), success)
+            self.callables[self.success_spec] = success
         self.datasets = {name: _dataset(name, ds) for name, ds in
                          (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)) if ds is not None}
         if "eval_dataset" in self.datasets and "train_dataset" not in self.datasets:
@@ -55,7 +63,7 @@ class Inputs:
         """Name the inputs in a config tree (before it is checked): the reward section, the dataset task. Returns
         the keys set, each with the argument that set it (what an error about the key names)."""
         said: list[tuple[list[str], str]] = []
-        if self.funcs or self.weights is not None:
+        if self.funcs or self.weights is not None or self.nan is not None or self.success is not None:
             reward = dict(tree.get("reward") or {})
             if self.funcs:
                 reward["funcs"] = self.funcs
@@ -63,6 +71,18 @@ class Inputs:
             if self.weights is not None:
                 reward["weights"] = self.weights
                 said.append((["reward", "weights"], f"reward_weights={self.weights}"))
+            if self.nan is not None:
+                reward["nan"] = self.nan
+                said.append((["reward", "nan"], f"reward_nan={self.nan!r}"))
+            if callable(self.success):  # judged by a function of its own that pays nothing
+                funcs = list(reward.get("funcs") or ["task"])
+                weights = list(reward.get("weights") or [1.0] * len(funcs))
+                reward.update(funcs=[*funcs, self.success_spec], weights=[*weights, 0.0],
+                              success=_success_name(self.success))
+                said.append((["reward", "success"], "success=..."))
+            elif self.success is not None:
+                reward["success"] = self.success
+                said.append((["reward", "success"], f"success={self.success!r}"))
             tree["reward"] = reward
         if "train_dataset" not in self.datasets:
             return said
@@ -102,6 +122,12 @@ class Inputs:
     @property
     def any(self) -> bool:
         return bool(self.pickled or self.datasets)
+
+
+def _success_name(func: Any) -> str:
+    from tasks.rewards import reward_name
+
+    return reward_name(func)
 
 
 def resolved(tree: Any, run_dir: Path) -> Any:

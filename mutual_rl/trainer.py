@@ -28,6 +28,7 @@ from engine.config import ConfigError, RunConfig, config_from_tree
 from engine.config.load import Origin, read_toml
 from engine.config.trl_names import TRL_NAMES, trl_hint
 from mutual_rl.inputs import Inputs, remove_inputs, resolved
+from mutual_rl.reward_check import check_rewards
 
 Callback = Callable[[dict], None]
 FOLLOW_EVERY_S = 0.2
@@ -72,16 +73,21 @@ class Trainer:
     ``config``: a TOML path, a dict of sections, or a ``RunConfig``; ``run_dir``: where the run writes (default
     runs/<timestamp>); ``callbacks``: functions called with each ``metrics.jsonl`` record of a learner step
     (``event`` "step", with ``accuracy`` when it was evaluated), of a final evaluation ("final") and, last, with
-    ``{"event": "end", "result": TrainResult}``; ``quiet``: no live display; ``sections``: whole config sections,
+    ``{"event": "end", "result": TrainResult}``; ``quiet``: no live display; ``reward_nan``: ``reward.nan``, what
+    a NaN from a reward function is ("error" by default, "abstain"); ``success``: ``reward.success``, what counts
+    as a success (held-out accuracy, SGT, the warm start): by default the task's answer check where the dataset
+    has answers; a reward function's name, a number the weighted reward must reach, or a function of TRL's shape
+    whose full marks (1.0) are one (it pays nothing); ``sections``: whole config sections,
     merged into the config's (a dict into a table, anything else replacing it). A keyword of TRL's
     (``learning_rate=``, ``output_dir=``, ``args=``) is refused in one line naming its equivalent here."""
 
     def __init__(self, config: str | Path | dict | RunConfig | None = None, *, run_dir: str | Path | None = None,
                  callbacks: list[Callback] = (), quiet: bool = False, reward_funcs: Any = None,
                  reward_weights: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 **sections: Any) -> None:
-        self.inputs = Inputs(reward_funcs, reward_weights, train_dataset, eval_dataset)
+                 reward_nan: str | None = None, success: Any = None, **sections: Any) -> None:
+        self.inputs = Inputs(reward_funcs, reward_weights, train_dataset, eval_dataset, reward_nan, success)
         self.config = make_config(config, sections, self.inputs)
+        check_rewards(self.config, self.inputs)  # a broken function refused now, not in a generator minutes later
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.callbacks, self.quiet = list(callbacks), quiet
 

@@ -13,7 +13,7 @@ to the same contract.
 from __future__ import annotations
 
 import random
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -26,7 +26,7 @@ class Sample(msgspec.Struct, gc=False):
     """One sampled completion. logprobs[i] belongs to completion_ids[i]."""
 
     completion_ids: list[int]  # ends with EOS (or another end token: stop_ids) when finish_reason == "stop"
-    logprobs: list[float]  # log-prob under the distribution sampled from (after temperature)
+    logprobs: list[float]  # log-prob under the distribution sampled from (after temperature, top-k and top-p)
     finish_reason: Literal["stop", "length"]  # stop = produced an end token; length = hit max_new_tokens
 
 
@@ -48,11 +48,16 @@ class GenerationBackend(Protocol):
         max_new_tokens: int,
         temperature: float,
         seed: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> list[list[Sample]]:
         """num_samples completions per prompt: result[i][j] is sample j of prompts[i].
 
-        temperature=0 is greedy (all samples then equal). A given seed makes the
-        result reproducible for the same weights and inputs."""
+        temperature=0 is greedy (all samples then equal; top_p and top_k are ignored). top_k > 0 keeps
+        the k likeliest tokens, top_p < 1 the smallest set of likeliest tokens holding that much
+        probability (after top_k); top_p=1, top_k=0 sample the whole distribution. A backend that
+        cannot report log-probs of the truncated distribution refuses top_p/top_k (ValueError). A
+        given seed makes the result reproducible for the same weights and inputs."""
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -72,13 +77,26 @@ class GenerationBackend(Protocol):
         ...
 
 
-def request_rows(prompts: list[list[int]], num_samples: int, temperature: float) -> list[list[int]]:
+def request_rows(prompts: list[list[int]], num_samples: int, temperature: float, top_p: float = 1.0,
+                 top_k: int = 0) -> list[list[int]]:
     """Every backend's checks of a request, and its rows: each prompt ``num_samples`` times, in order."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (a BOS, if nothing else)")
     return [p for p in prompts for _ in range(num_samples)]
+
+
+class Sampling(NamedTuple):
+    """How a backend draws each next token (GenerationBackend.generate says what each means)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 class HFBackend:
@@ -153,22 +171,25 @@ class HFBackend:
         max_new_tokens: int,
         temperature: float,
         seed: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> list[list[Sample]]:
         self._check_held("generate")
-        rows = request_rows(prompts, num_samples, temperature)
+        rows = request_rows(prompts, num_samples, temperature, top_p, top_k)
+        sampling = Sampling(temperature, top_p, top_k)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else random.SystemRandom().getrandbits(63))
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch):
             chunk = rows[start : start + self.max_batch]
-            samples.extend(self._generate_batch(chunk, max_new_tokens, temperature, generator))
+            samples.extend(self._generate_batch(chunk, max_new_tokens, sampling, generator))
         return [samples[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def _generate_batch(
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
-        temperature: float,
+        sampling: Sampling,
         generator: torch.Generator,
     ) -> list[Sample]:
         B = len(prompts)
@@ -193,7 +214,7 @@ class HFBackend:
             if step == 0 and copies is not None:  # the prompts ran once each: now a row per sample
                 logits, mask, positions = logits[copies], mask[copies], positions[copies]
                 cache.batch_select_indices(copies)
-            next_ids, next_lp = self._pick_open(logits, over, temperature, generator)  # (b,)
+            next_ids, next_lp = self._pick_open(logits, over, sampling, generator)  # (b,)
             for row, tok, lp, done in zip(live.tolist(), next_ids.tolist(), next_lp.tolist(), over.tolist()):
                 if not done:
                     tokens[row].append(tok)
@@ -217,14 +238,14 @@ class HFBackend:
             for i in range(B)
         ]
 
-    def _pick_open(self, logits: torch.Tensor, over: torch.Tensor, temperature: float,
+    def _pick_open(self, logits: torch.Tensor, over: torch.Tensor, sampling: Sampling,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick for the rows not yet past EOS only (rows past it get PAD), so both cache
         kinds draw the same random numbers for the same rows and sample alike."""
         if not bool(over.any()):
-            return self._pick(logits, temperature, generator)
+            return self._pick(logits, sampling, generator)
         open_rows = (~over).nonzero().squeeze(-1)
-        ids, lp = self._pick(logits[open_rows], temperature, generator)
+        ids, lp = self._pick(logits[open_rows], sampling, generator)
         all_ids = torch.full_like(over, self.pad_token_id, dtype=torch.long)
         all_lp = torch.zeros(over.shape, dtype=lp.dtype, device=lp.device)
         return all_ids.index_copy_(0, open_rows, ids), all_lp.index_copy_(0, open_rows, lp)
@@ -249,14 +270,18 @@ class HFBackend:
 
     @staticmethod
     def _pick(
-        logits: torch.Tensor, temperature: float, generator: torch.Generator
+        logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token and its log-prob, (b,) each. Greedy reports the untempered log-prob."""
-        if temperature == 0:
+        """Next token and its log-prob, (b,) each. Greedy reports the untempered log-prob.
+
+        The log-prob is the sampled token's under the distribution it was drawn from: after
+        temperature, top-k and top-p, renormalised. The learner takes it as the behaviour
+        log-prob of its importance weights, so it must be the sampler's own."""
+        if sampling.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             ids = logp.argmax(dim=-1)
         else:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
+            logp = _truncated(torch.log_softmax(logits / sampling.temperature, dim=-1), sampling.top_p, sampling.top_k)
             ids = _sample(logp, generator)
         return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
@@ -284,7 +309,25 @@ def _sample(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     torch.multinomial spends ~140 ms per step on 128 x 50k rows on one CPU thread
     (it draws an exponential per entry); cumsum + searchsorted takes ~25 ms. A token
-    with zero probability adds nothing to the CDF, so it can never be drawn."""
+    with zero probability adds nothing to the CDF, so it can never be drawn: not even
+    where u rounds up to the total, which would pass every token (the draw is then held
+    to the last token with mass, not the vocabulary's last, which top-k/top-p may cut)."""
     cdf = logp.exp().cumsum(dim=-1)  # (b, V)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # (b, 1): where the CDF reaches its total
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1)
+
+
+def _truncated(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``logp`` (b, V) kept to its top_k likeliest tokens, then to the top_p nucleus of those, renormalised;
+    the rest get -inf. Off (top_p=1, top_k=0) it is ``logp`` itself, so the default samples as before."""
+    if 0 < top_k < logp.shape[-1]:  # ties with the k-th token stay: which of equals to drop would be arbitrary
+        kth = logp.topk(top_k, dim=-1).values[:, -1:]
+        logp = torch.log_softmax(logp.masked_fill(logp < kth, -torch.inf), dim=-1)
+    if top_p < 1:  # a token stays while the tokens ranked above it hold less than top_p: the likeliest always does
+        ranked, order = logp.sort(dim=-1, descending=True)
+        probs = ranked.exp()
+        out = (probs.cumsum(dim=-1) - probs) >= top_p  # (b, V), in rank order
+        out = out.scatter(-1, order, out)  # back to vocabulary order
+        logp = torch.log_softmax(logp.masked_fill(out, -torch.inf), dim=-1)
+    return logp

@@ -9,7 +9,8 @@ tested against tests/sglang_standin.py, a local server that keeps the real one's
   `max_new_tokens`, `stop_token_ids`, and `sampling_seed` only where the server runs with
   `--enable-deterministic-inference`: elsewhere sglang ignores it without a word) and `return_logprob`;
   each answer's `meta_info.output_token_logprobs` is `[[logprob, token_id, text], ...]`, log-probs of
-  the temperature-scaled distribution (as the CPU backend reports them), and
+  the temperature-scaled distribution (as the CPU backend reports them; before any top_p/top_k, which
+  is why this backend refuses those: TRUNCATION_REFUSED), and
   `meta_info.finish_reason.type` is "stop" or "length" ("abort" is an error here).
 - A weight update is a session: `POST /begin_weight_update`, `/update_weights_from_tensor`, then
   `/end_weight_update`; sglang 0.5.21 refuses an update outside one. `serialized_named_tensors` holds one
@@ -41,6 +42,15 @@ from policies.backend import BackendReleased, Sample, request_rows
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 SGLANG_VERSION = "0.5.21"  # the extra's pin (constraints-sglang.txt): the one release on torch 2.13 with update sessions
+
+
+# sglang draws from the top-k/top-p renormalised distribution but returns each token's log-prob under the whole
+# (temperature-scaled) one: its Sampler (srt/layers/sampler.py, as read in recent sources, not run here) returns
+# the log of the tempered softmax and truncates a copy. Those are not the behaviour log-probs the learner's
+# importance weights need, and a sampled log-prob cannot be renormalised without the kept tokens' total mass
+# (top_logprobs_num could give it for top_k, never for a nucleus of unknown size): refused, not approximated.
+TRUNCATION_REFUSED = ("sglang reports log-probs of the untruncated distribution, not of the top_p/top_k one it "
+                      "samples from; sample with top_p = 1.0 and top_k = 0, or with the hf backends")
 
 
 class SglangError(RuntimeError):
@@ -195,10 +205,12 @@ class SglangBackend:
         self.version = 0
         self.released = False
 
-    def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int,
-                 temperature: float, seed: int | None = None) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float,
+                 seed: int | None = None, top_p: float = 1.0, top_k: int = 0) -> list[list[Sample]]:
         self._check_held("generate")
-        rows = request_rows(prompts, num_samples, temperature)
+        rows = request_rows(prompts, num_samples, temperature, top_p, top_k)
+        if (top_p, top_k) != (1.0, 0) and temperature > 0:
+            raise ValueError(TRUNCATION_REFUSED)
         base = seed if seed is not None else random.SystemRandom().getrandbits(31)
         payload = {"input_ids": rows, "return_logprob": True,
                    "sampling_params": [self._params(max_new_tokens, temperature, base, i) for i in range(len(rows))]}

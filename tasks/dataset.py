@@ -82,6 +82,7 @@ class DatasetTask:
         self._order = list(range(len(self._train)))
         random.Random(f"dataset:{config.seed}").shuffle(self._order)
         self._judge = AnswerJudge(config.answer_check, config.verify_timeout_s, "dataset")
+        self.has_answers = bool(config.answer)  # without an answer column, reward functions judge alone
 
     def _problems(self, path: str, split: str, key: str) -> list[tuple[dict[str, Any], Problem]]:
         """Each row of a file with its problem, checked: the columns named, each prompt (by its row number)."""

@@ -27,14 +27,17 @@ def task_names() -> list[str]:
     return sorted(registered_tasks())
 
 
-def make_task(config, reward_funcs: Sequence[str] = ("task",), reward_weights: Sequence[float] = ()) -> Task:
+def make_task(config, reward_funcs: Sequence[str] = ("task",), reward_weights: Sequence[float] = (),
+              success: str | float = "auto", nan: str = "error") -> Task:
     """The task a config describes, its reward ``reward_funcs``' weighted sum (``tasks.rewards``; by default the
-    task's own verifier). A JSONL task reads (and validates) its file here; a reward function is loaded here."""
+    task's own verifier), a success as ``success`` says and a NaN as ``nan`` (``reward.success``, ``reward.nan``;
+    ``engine.config.run_task`` passes a run config's). A JSONL task reads (and validates)
+    its file here; a reward function is loaded here."""
     name = getattr(getattr(type(config), "__struct_config__", None), "tag", None)
     found = registered_tasks().get(name)
     if found is None or not isinstance(config, found[0]):
         raise TypeError(f"not a task config: {config!r}; registered tasks: {', '.join(task_names())}")
     task = found[1](config)
-    if list(reward_funcs) == ["task"] and all(w == 1.0 for w in reward_weights):
+    if list(reward_funcs) == ["task"] and all(w == 1.0 for w in reward_weights) and success in ("auto", "task"):
         return task
-    return RewardedTask(task, reward_funcs, reward_weights)
+    return RewardedTask(task, reward_funcs, reward_weights, success, nan)

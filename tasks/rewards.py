@@ -20,7 +20,8 @@ with cloudpickle: ``mutual_rl.Trainer(reward_funcs=[f])`` writes these for funct
 notebook cell). The reward is the sum of each function's reward times its ``reward.weights`` entry, over the
 functions that did not abstain (TRL's rule). A completion is a success (what SGT and PRP share, what the
 evaluation counts) when the task's verifier accepts it, where ``"task"`` is one of the functions; otherwise
-when every function that judged it gave at least 1.0.
+when every function that judged it gave at least 1.0. A NaN a function returns is an error naming it (TRL sums it
+away as an abstention, which hides a bug), unless ``reward.nan = "abstain"`` reads it as None; an infinity always is.
 """
 
 from __future__ import annotations
@@ -160,20 +161,40 @@ def reward_names(specs: Sequence[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
 
+def has_answers(task: Task) -> bool:
+    """Whether the task's problems carry answers its check can judge (a dataset without an answer column not)."""
+    return bool(getattr(task, "has_answers", True))
+
+
+def success_rule(success: str | float, answers: bool) -> str | float:
+    """``reward.success`` resolved: "auto" is the task's answer check where the task has answers, else "all"
+    (the config's check refuses a run that counts successes with nothing to define them)."""
+    if success == "auto":
+        return "task" if answers else "all"
+    return float(success) if isinstance(success, (int, float)) and not isinstance(success, bool) else success
+
+
 class RewardedTask:
     """A task whose reward is ``reward.funcs``' weighted sum; its problems, split and solutions the task's."""
 
-    def __init__(self, task: Task, specs: Sequence[str], weights: Sequence[float]) -> None:
+    def __init__(self, task: Task, specs: Sequence[str], weights: Sequence[float],
+                 success: str | float = "auto", nan: str = "error") -> None:
         self.task, self.name, self.config = task, task.name, task.config
+        self.nan_abstains = nan == "abstain"  # reward.nan: a NaN returned reads as None, not as an error
         self.specs = list(specs)
         self.funcs = {i: load_reward(s) for i, s in enumerate(self.specs) if s != "task"}  # once a process
         self.names = reward_names(self.specs)
         self.weights = list(weights) or [1.0] * len(self.specs)
         self.split_note = getattr(task, "split_note", None)
-        # the verdict's success is the task's where "task" is a function: caches of it (warm starts, evaluations)
-        # hold for any other functions; otherwise the functions decide it
-        self.identity = task_identity(task) if "task" in self.specs else {"task": task_identity(task),
-                                                                           "reward": [spec_identity(s) for s in self.specs]}
+        self.success = success_rule(success, has_answers(task))
+        if isinstance(self.success, str) and self.success not in ("task", "all") and self.success not in self.names:
+            raise RewardLoadError(f"reward.success = {success!r}: names no reward function (they are "
+                                  f"{', '.join(self.names)}); a name, \"task\", \"all\" or a number")
+        # the verdict's success is the task's where "task" is a function and decides it: caches of it (warm
+        # starts, evaluations) hold for any other functions; otherwise the functions and the rule decide it
+        plain = "task" in self.specs and self.success == "task"
+        self.identity = task_identity(task) if plain else {
+            "task": task_identity(task), "reward": [spec_identity(s) for s in self.specs], "success": self.success}
 
     def problem(self, prompt_id: int) -> Problem:
         return self.task.problem(prompt_id)
@@ -201,17 +222,27 @@ class RewardedTask:
                 parts.append([v.reward for v in verdicts])
             else:
                 parts.append(self._call(i, problems, texts, errors, completion_ids))
+        if self.success == "task" and verdicts is None:  # the answer check decides success, paying nothing
+            verdicts = TaskReward(self.task).verdicts(problems, texts, errors)
         out = []
         for k in range(n):
             mine = [column[k] for column in parts]
             judged = [(w, r) for w, r in zip(self.weights, mine) if not math.isnan(r)]
-            reward = sum(w * r for w, r in judged)
-            if verdicts is not None:
-                verified, timed_out = verdicts[k].verified, verdicts[k].timed_out
-            else:
-                verified, timed_out = bool(judged) and all(r >= 1.0 for _, r in judged), False
-            out.append(Verdict(reward=float(reward), verified=verified, timed_out=timed_out, parts=tuple(mine)))
+            reward = float(sum(w * r for w, r in judged))
+            timed_out = verdicts is not None and verdicts[k].timed_out
+            out.append(Verdict(reward=reward, verified=self._succeeded(mine, judged, reward, verdicts, k),
+                               timed_out=timed_out, parts=tuple(mine)))
         return out
+
+    def _succeeded(self, mine: list[float], judged: list, reward: float, verdicts, k: int) -> bool:
+        rule = self.success
+        if rule == "task":
+            return verdicts[k].verified
+        if rule == "all":  # every function that judged gave full marks
+            return bool(judged) and all(r >= 1.0 for _, r in judged)
+        if isinstance(rule, str):  # one function's full marks (an abstention is no success)
+            return mine[self.names.index(rule)] >= 1.0
+        return reward >= rule
 
     def _call(self, i: int, problems, texts, errors, completion_ids) -> list[float]:
         func, name, n = self.funcs[i], self.names[i], len(texts)
@@ -224,8 +255,8 @@ class RewardedTask:
         prompts = [p.prompt for p in problems]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         try:
-            got = func(**_accepted(func, {"prompts": prompts, "completions": completions, **columns}))
-            return _floats(got, n, name)
+            got = func(**accepted_arguments(func, {"prompts": prompts, "completions": completions, **columns}))
+            return _floats(got, n, name, self.nan_abstains)
         except Exception as exc:  # the user's code: whatever it raises is named, never a dead process
             frames = traceback.extract_tb(exc.__traceback__)
             where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
@@ -243,7 +274,7 @@ class _BadShape(Exception):
     """A reward function's answer that is not one float (or None) per completion."""
 
 
-def _floats(got: Any, n: int, name: str) -> list[float]:
+def _floats(got: Any, n: int, name: str, nan_abstains: bool = False) -> list[float]:
     try:
         values = list(got)
     except TypeError:
@@ -256,14 +287,22 @@ def _floats(got: Any, n: int, name: str) -> list[float]:
             out.append(math.nan)
             continue
         try:
-            out.append(float(v))
+            if isinstance(v, (str, bytes)):  # float("1") would pay a string: a bug, not a reward
+                raise TypeError
+            value = float(v)
         except (TypeError, ValueError):
             raise _BadShape(f"reward function {name} returned {v!r} ({type(v).__name__}), not a float or None") \
                 from None
+        if math.isnan(value) and not nan_abstains:  # NaN means "abstain" only where the user said so
+            raise _BadShape(f"reward function {name} returned NaN, an error (reward.nan = \"error\"): return None "
+                            "to abstain, or set reward.nan = \"abstain\"")
+        if math.isinf(value):  # one infinite reward makes every advantage of its group NaN
+            raise _BadShape(f"reward function {name} returned {value}, not a finite float")
+        out.append(value)
     return out
 
 
-def _accepted(func: Callable, columns: dict[str, list]) -> dict[str, list]:
+def accepted_arguments(func: Callable, columns: dict[str, list]) -> dict[str, list]:
     """The keyword arguments ``func`` takes: all of them with ``**kwargs``, else those it names (TRL's functions
     take ``**kwargs``; one written for this project alone may name just ``completions`` and ``answer``)."""
     try:

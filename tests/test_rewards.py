@@ -67,12 +67,27 @@ def test_the_reward_is_the_weighted_sum_of_the_functions_that_judged(dataset_fil
     assert task.names == ["task", "brief", "named_only"]
 
 
-def test_without_the_task_a_success_is_full_marks_from_every_function_that_judged(dataset_file):
-    task = _task(dataset_file, ["my_rewards:named_only", "exact_answer"])
+def test_a_success_is_the_answer_check_by_default_and_what_reward_success_says_otherwise(dataset_file):
+    """With an answer column, a success is the task's answer check even where "task" pays nothing (a TRL script's
+    correctness function and a length penalty: full marks from every function is never reached, and SGT, the
+    warm start and held-out accuracy counted nothing); reward.success picks another rule."""
+    funcs = ["my_rewards:named_only", "exact_answer"]
     four, other = (Problem(prompt_id=i, task="dataset", question=f"{a} / 2?", answer=str(a)) for i, a in enumerate((4, 6)))
-    (v4, vo) = task.score([four, other], [four.answer, other.answer])
-    assert v4.verified and v4.reward == 1.0  # named_only abstained, exact_answer gave 1.0
-    assert not vo.verified and vo.reward == 1.5  # named_only gave 0.5: not full marks
+    wrong = Problem(prompt_id=2, task="dataset", question="8 / 2?", answer="8")
+
+    def verdicts(success):
+        return make_task(DatasetConfig(path=str(dataset_file), eval_fraction=0.2), funcs, (), success).score(
+            [four, other, wrong], [four.answer, other.answer, "5"])
+
+    v4, vo, vw = verdicts("auto")
+    assert v4.verified and vo.verified and not vw.verified  # the answer check: right, right, wrong
+    assert (v4.reward, vo.reward, vw.reward) == (1.0, 1.5, 0.5)  # the reward is the functions' alone
+    v4, vo, vw = verdicts("all")  # every function that judged gave full marks (named_only's 0.5 is not)
+    assert v4.verified and not vo.verified and not vw.verified
+    assert [v.verified for v in verdicts("named_only")] == [False, False, False]  # abstained, 0.5, 0.5
+    assert [v.verified for v in verdicts(1.5)] == [False, True, False]  # the weighted reward at least 1.5
+    with pytest.raises(RewardLoadError, match="reward.success = 'brevity': names no reward function"):
+        verdicts("brevity")
 
 
 def test_functions_get_the_batch_with_problem_and_completion_ids(dataset_file):

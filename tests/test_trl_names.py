@@ -40,8 +40,11 @@ def _refused(**kwargs) -> str:
     ("beta", 0.04, "TRL's beta is objective.kl_coef here"),
     ("max_completion_length", 256, "TRL's max_completion_length is train.max_new_tokens here"),
     ("per_device_train_batch_size", 4, "TRL's per_device_train_batch_size is train.prompts_per_step here"),
-    ("top_p", 0.9, "Trainer(top_p=...): not an argument of Trainer; TRL's top_p has no equivalent here: generators "
-                   "sample at train.temperature alone"),
+    ("top_p", 0.9, "Trainer(top_p=...): not an argument of Trainer; TRL's top_p is train.top_p here (generators "
+                   "only; log-probs are of the truncated distribution; not with sglang): Trainer(..., train={'top_p': "
+                   "0.9})"),
+    ("min_p", 0.1, "Trainer(min_p=...): not an argument of Trainer; TRL's min_p has no equivalent here: generators "
+                   "sample at train.temperature, train.top_p and train.top_k alone"),
 ])
 def test_a_trl_keyword_names_the_key_here(keyword, value, expected):
     assert expected in _refused(**{keyword: value})
@@ -61,7 +64,7 @@ def test_args_a_grpo_config_points_to_the_sections():
     ({"train": {"learning_rate": 1e-5}}, "train: unknown field learning_rate; TRL's learning_rate is train.lr here"),
     ({"objective": {"beta": 0.1}}, "objective: unknown field beta; TRL's beta is objective.kl_coef here"),
     ({"train": {"per_device_train_batch_size": 4}}, "TRL's per_device_train_batch_size is train.prompts_per_step here"),
-    ({"train": {"top_k": 50}}, "train: unknown field top_k; TRL's top_k has no equivalent here: generators sample"),
+    ({"train": {"min_p": 0.1}}, "train: unknown field min_p; TRL's min_p has no equivalent here: generators sample"),
 ])
 def test_a_trl_field_in_a_section_dict_names_the_key_here(sections, expected):
     said = _refused(**sections)

@@ -101,3 +101,11 @@ def _drop_foreign(table: dict, section: str, config_type: type, origin: Origin) 
 
 def tokenizer_cache(cfg: RunConfig) -> str:
     return str(cache_root(cfg) / "tokenizers")
+
+
+def run_task(cfg: RunConfig):
+    """The run's task with its reward as the config says: functions, weights, what a NaN is, what a success is."""
+    from tasks.registry import make_task
+
+    r = cfg.reward
+    return make_task(cfg.task, r.funcs, r.weights, r.success, r.nan)

@@ -89,6 +89,13 @@ class TrainSection(_Section):
     # starts from a checkpoint
     max_new_tokens: PosInt = 12
     temperature: PosFloat = 1.0  # sampling temperature of the generators
+    # generators sample from the fewest likeliest tokens holding this much probability (after top_k), renormalised;
+    # 1 = all. Behaviour log-probs are of that renormalised distribution, so importance weights stay exact.
+    # Evaluations ignore it; sglang refuses it (its log-probs are of the untruncated distribution)
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    # generators sample from the k likeliest tokens, renormalised (log-probs as for top_p); 0 = all. Evaluations
+    # ignore it; sglang refuses it
+    top_k: Annotated[int, Meta(ge=0)] = 0
     # a task's verifier (your reward function) that raises: "stop" ends the run cleanly, naming the exception, its
     # file and line and the problem; "zero" scores that completion 0 and counts it (metrics: reward_error)
     reward_errors: Literal["stop", "zero"] = "stop"
@@ -189,6 +196,14 @@ class RewardSection(_Section):
     # "task" (the task's own verifier), "exact_answer", "module:function", or "file:PATH" (a pickled function)
     funcs: list[str] = msgspec.field(default_factory=lambda: ["task"])
     weights: list[float] = []  # one per function; [] = 1.0 each
+    # a NaN a function returns: "error" is an error naming the function, as a wrong length is (a NaN is most often
+    # a bug: 0/0, a failed parse; train.reward_errors says what an error does); "abstain" reads it as None, as TRL
+    nan: Literal["error", "abstain"] = "error"
+    # what counts as a success (SGT's peer successes, the warm start's stop rule, held-out accuracy): "auto" = the
+    # task's answer check wherever the task has answers (a dataset's answer column), whether or not "task" pays;
+    # "task" = the answer check; "all" = full marks (1.0) from every function that judged; a function's name
+    # (reward_names: "brief", "task", ...) = full marks from it; a number = the weighted reward at least that
+    success: str | float = "auto"
 
 
 class WarmStartConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

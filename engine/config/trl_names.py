@@ -19,7 +19,8 @@ class TrlName(NamedTuple):
     note: str = ""  # what differs, or why there is none
 
 
-_SAMPLING = "generators sample at train.temperature alone, so the learner's log-probs are the sampler's"
+_SAMPLING = ("generators sample at train.temperature, train.top_p and train.top_k alone, so the learner's log-probs "
+             "are the sampler's")
 _ENTROPY = "no entropy term in the loss"
 _LOGGED = "every sample is in the run's experience log; the monitor shows each prompt's samples"
 _SGLANG = "sglang, not vLLM"
@@ -56,8 +57,8 @@ _ONE_BY_ONE: dict[str, TrlName] = {
                                      "pool.prompts_per_work splits a step into work units"),
     "steps_per_generation": TrlName(None, "generators run up to train.max_inflight_steps ahead instead"),
     "temperature": TrlName("train.temperature", "eval.temperature for evaluations (0 = greedy)"),
-    "top_p": TrlName(None, _SAMPLING),
-    "top_k": TrlName(None, _SAMPLING),
+    "top_p": TrlName("train.top_p", "generators only; log-probs are of the truncated distribution; not with sglang"),
+    "top_k": TrlName("train.top_k", "0 = off; generators only; not with sglang"),
     "min_p": TrlName(None, _SAMPLING),
     "repetition_penalty": TrlName(None, _SAMPLING),
     "generation_kwargs": TrlName(None, _SAMPLING),

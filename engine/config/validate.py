@@ -47,9 +47,32 @@ def _reward(cfg: RunConfig, origin: Origin) -> None:
         if spec not in ("task", "exact_answer") and not spec.startswith("file:") and ":" not in spec:
             raise origin.error(f"reward.funcs.{i}", f'{spec!r}: expected "task", "exact_answer", '
                                                     '"module:function" or "file:PATH"')
-    if "task" in funcs and isinstance(cfg.task, DatasetConfig) and not cfg.task.answer:
+    answers = not (isinstance(cfg.task, DatasetConfig) and not cfg.task.answer)
+    if "task" in funcs and not answers:
         raise origin.error("reward.funcs", 'names "task", but task.answer = "" (the dataset has no answer column '
                                            "for the task's verifier to check): name your reward functions instead")
+    _success(cfg.reward.success, funcs, answers, origin)
+
+
+def _success(success, funcs: list[str], answers: bool, origin: Origin) -> None:
+    """What counts as a success is defined: held-out accuracy, SGT and the warm start count them, and without a
+    definition they would count nothing, silently (a penalty function never gives full marks)."""
+    from tasks.rewards import RewardLoadError, reward_names
+
+    names = None
+    if isinstance(success, str) and success not in ("auto", "task", "all"):  # a name: load the functions to know
+        try:
+            names = reward_names(funcs)
+        except RewardLoadError:  # a function not written yet (a Trainer's, before its run directory): checked then
+            pass
+    if names is not None and success not in names:
+        raise origin.error("reward.success", f"{success!r} names no reward function (they are {', '.join(names)}); "
+                                             '"auto", "task", "all", a function\'s name or a number')
+    if success in ("auto", "task") and not answers:
+        raise origin.error("reward.success", f"{success!r}: nothing defines a success, as the dataset has no answer "
+                                             "column (task.answer = \"\") for the task's check; held-out accuracy, SGT "
+                                             "and the warm start count successes: name a reward function whose full "
+                                             "marks (1.0) are one, \"all\", or a number the weighted reward must reach")
 
 
 def _models(cfg: RunConfig, origin: Origin, check_machine: bool) -> None:
@@ -160,11 +183,22 @@ def _sglang(cfg: RunConfig, m, key: str, origin: Origin, check_machine: bool) ->
     if not g.sglang_url and cfg.pool.device != "cuda":
         raise origin.error(f"{key}.generation.backend", '"sglang" runs sglang\'s Engine on each generator\'s GPU and '
                                                         'needs pool.device = "cuda" (or a running server: sglang_url)')
+    if (problem := _truncation(cfg)) is not None:
+        raise origin.error(problem, f'is not supported with {key}.generation.backend = "sglang", whose log-probs '
+                                    "are of the untruncated distribution, not of the one it samples from (the "
+                                    "learner's importance weights need that one); leave it off or use hf/hf-static")
     if not 0.0 < g.sglang_memory < 1.0:
         raise origin.error(f"{key}.generation.sglang_memory", f"{g.sglang_memory} is not a fraction in (0, 1)")
     if not g.sglang_url and check_machine and importlib.util.find_spec("sglang") is None:
         raise origin.error(f"{key}.generation.backend", "sglang is not installed: pip install -c constraints-sglang.txt "
                                                         "-e '.[sglang]' (it needs CUDA)")
+
+
+def _truncation(cfg: RunConfig) -> str | None:
+    """The key of the top_p/top_k setting that truncates what generators sample from, or None."""
+    if cfg.train.top_p != 1.0:
+        return "train.top_p"
+    return "train.top_k" if cfg.train.top_k != 0 else None
 
 
 def checkpoint_problem(path: Path) -> str | None:

@@ -103,7 +103,7 @@ def prepare_model(payload: bytes) -> int:
     from engine.prep.warmstart import warm_start_and_end, warm_start_path
     from policies.templates import prompt_format
     from tasks.base import VerifierError
-    from tasks.registry import make_task
+    from engine.config import run_task
     from tokenbridge import load_tokenizer
 
     plan = msgspec.msgpack.decode(payload, type=PrepPlan)
@@ -111,7 +111,7 @@ def prepare_model(payload: bytes) -> int:
     m = cfg.models[plan.model_index]
     spec = model_spec(m)
     tokenizer = load_tokenizer(spec.tokenizer, tokenizer_cache(cfg))
-    task = make_task(cfg.task, cfg.reward.funcs, cfg.reward.weights)
+    task = run_task(cfg)
     warm_dir = Path(plan.cache_dir) / "warmstart"
     ws = msgspec.structs.replace(cfg.warmstart, steps=warm_start_steps(cfg, plan.model_index))
     try:

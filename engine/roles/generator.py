@@ -151,7 +151,8 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
     prompts = [prompt_ids(tok, fmt, p.prompt) for p in unit.problems]
     seed = zlib.crc32(f"{cfg.run.seed}/{model}/{worker.id}/{unit.problems[0].prompt_id}".encode())  # stable across processes
     with torch.no_grad():
-        samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed)
+        samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed,
+                                   top_p=cfg.train.top_p, top_k=cfg.train.top_k)
     done = time.time()
     out, errors, zero = [], [], cfg.train.reward_errors == "zero"
     flat = [(problem, ids, k, sample) for problem, ids, group in zip(unit.problems, prompts, samples)

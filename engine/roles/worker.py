@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from engine.config import ModelConfig, RunConfig, model_spec, tokenizer_cache
+from engine.config import ModelConfig, RunConfig, model_spec, run_task, tokenizer_cache
 from engine.roles import generator, learner, learner_core
 from engine.roles.plan import WorkerPlan
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, process_rss, release, still_alive
@@ -38,7 +38,6 @@ from exchange.transport import Publisher
 from policies.backend import HFBackend
 from policies.lora import add_adapters, load_adapters
 from policies.models import build_policy
-from tasks.registry import make_task
 from tokenbridge import load_tokenizer
 
 RoleOf = tuple[str, str]  # (role, model); model "" for idle
@@ -88,7 +87,7 @@ class Worker:
     def __init__(self, plan: WorkerPlan):
         self.plan, self.id, self.cfg = plan, plan.worker_id, plan.config
         self.names = self.cfg.names
-        self.task = make_task(self.cfg.task, self.cfg.reward.funcs, self.cfg.reward.weights)
+        self.task = run_task(self.cfg)
         self.inbox = Inbox()
         self.role_now: RoleOf | None = None  # set while a role runs (work for another role is handed back)
         self.t0 = time.time()
