@@ -115,7 +115,15 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         write_resolved_config(cfg, run_dir)
         print(announce(cfg, run_dir), flush=True)
+        self.trained_dir = run_dir
         return run_in_place(cfg, run_dir, False, self.callbacks, self.quiet, node)
+
+    def save_model(self, output_dir: str | Path, model: str | None = None) -> list[Path]:
+        """TRL's ``trainer.save_model(dir)``: the last ``train()``'s final models into ``output_dir``
+        (``save_model`` of this module says where each goes); the run keeps its own in ``RUN_DIR/final/``."""
+        if getattr(self, "trained_dir", None) is None:
+            raise ConfigError("save_model(): nothing trained yet; call train() first")
+        return save_model(self.trained_dir, output_dir, model)
 
     def _with_inputs(self, run_dir: Path) -> RunConfig:
         """The config with its Python inputs written into ``run_dir`` and named there."""
@@ -124,6 +132,30 @@ class Trainer:
         self.inputs.write(run_dir)
         tree = resolved(msgspec.to_builtins(self.config), run_dir)
         return config_from_tree(tree, ApiOrigin("Trainer()", []), quiet=True)
+
+
+def save_model(run_dir: str | Path, output_dir: str | Path, model: str | None = None) -> list[Path]:
+    """The trained models of a run into ``output_dir``, as ``from_pretrained`` loads them: ``model`` (or a run's
+    only model) into ``output_dir`` itself, every model of several into ``output_dir/<model>``. A model with
+    LoRA adapters comes merged, with PEFT's adapter files beside it."""
+    import shutil
+
+    from engine.train.checkpoint import FINAL
+
+    final = Path(run_dir) / FINAL
+    found = sorted(p.name for p in final.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if final.is_dir() else []
+    if not found:
+        raise ConfigError(f"{final}: no final model (a run writes one when it ends with a checkpoint)")
+    if model is not None and model not in found:
+        raise ConfigError(f"save_model(model={model!r}): the run's models are {', '.join(found)}")
+    chosen = [model] if model is not None else found
+    out = []
+    for name in chosen:
+        target = Path(output_dir) if len(chosen) == 1 else Path(output_dir) / name
+        shutil.copytree(final / name, target, dirs_exist_ok=True)
+        out.append(target)
+    return out
 
 
 def resume(run_dir: str | Path, *, callbacks: list[Callback] = (), quiet: bool = False,
@@ -215,6 +247,10 @@ def train_and_report(cfg: RunConfig, run_dir: Path, resuming: bool, node: Any, q
         code = session.train(cfg, run_dir, resume=resuming, node=node, quiet=quiet, started=started)
     finally:
         wandb_sink.finish(sink)
+    from engine.train.checkpoint import FINAL, export_final
+
+    if [m for m in cfg.names if export_final(run_dir, m) is not None]:  # the newest checkpoint's models, to load
+        print(f"final models: {run_dir / FINAL}/<model> (from_pretrained loads each)", flush=True)
     if cfg.run.report:
         from monitor.report import ReportError, write_report
 

@@ -80,6 +80,27 @@ def adapter_bytes(model: torch.nn.Module) -> bytes:
     return save(adapter_state(model))
 
 
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def peft_files(model: torch.nn.Module, base: str) -> dict[str, bytes]:
+    """The adapters as PEFT writes them (``PEFT_FILES``), for ``PeftModel.from_pretrained(the base at base, dir)``:
+    peft's own state-dict naming under ``base_model.model.``, and its config naming the base model."""
+    import tempfile
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    config = copy.copy(model.peft_config[ADAPTER])
+    config.base_model_name_or_path, config.task_type = base, "CAUSAL_LM"
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)  # peft's serialisation of its config (sets, enums)
+        written = (Path(tmp) / PEFT_FILES[0]).read_bytes()
+    return {PEFT_FILES[0]: written,
+            PEFT_FILES[1]: save({f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in state.items()})}
+
+
 def load_adapters(model: torch.nn.Module, step_dir: str | Path) -> None:
     """Copy a checkpoint's adapter tensors into ``model``'s adapters (same spec); every one must match."""
     from safetensors.torch import load_file

@@ -51,10 +51,13 @@ run_dir = result.run_dir
 steps = [json.loads(l) for l in open(run_dir / "metrics.jsonl") if '"event": "step"' in l]
 parts = [(r["reward_mean"], r["rewards/task/mean"], r["rewards/brief/mean"]) for r in steps]
 trl = [{k: r.get(k) for k in TRL_NAMES} for r in steps]
+from transformers import AutoModelForCausalLM
+saved = trainer.save_model(run_dir.parent / ("saved-" + run_dir.name))  # TRL's habit: one directory a model
+loaded = {p.name: AutoModelForCausalLM.from_pretrained(p).num_parameters() for p in saved}
 print("RESULT", json.dumps({"status": result.status, "code": result.exit_code, "run_dir": str(run_dir),
                             "steps": {m: v.steps for m, v in result.models.items()},
                             "accuracy": {m: [v.accuracy_before, v.accuracy_after, v.eval_n] for m, v in result.models.items()},
-                            "parts": parts, "trl": trl, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
+                            "parts": parts, "trl": trl, "loaded": loaded, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
 """
 
 
@@ -67,6 +70,7 @@ def _check_example_run(out: str) -> dict:
     assert len(said["parts"]) == 24  # each model's 12 steps, each with both functions' means (TRL's names)
     for mean, task, brief in said["parts"]:
         assert mean == pytest.approx(task + 0.2 * brief) and 0.0 <= task <= 1.0 and 0.0 <= brief <= 1.0
+    assert sorted(said["loaded"]) == ["gpt2", "llama"] and all(n > 0 for n in said["loaded"].values())
     for (mean, *_), trl in zip(said["parts"], said["trl"]):  # what a TRL user reads first, under TRL's names
         assert trl["reward"] == pytest.approx(mean) and trl["reward_std"] >= 0.0 and trl["learning_rate"] > 0
         assert 1 <= trl["completions/min_length"] <= trl["completions/mean_length"] <= trl["completions/max_length"]

@@ -127,6 +127,11 @@ def test_a_run_trains_gpt2_through_adapters_beside_a_full_llama_and_resumes(tmp_
     adapters = load_file(step_dir / ADAPTER_FILE)
     assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters trained
     assert not (checkpoint.latest(run.run_dir, "llama") / ADAPTER_FILE).exists()
+    final = run.run_dir / "final"  # the newest checkpoint's models, for from_pretrained (and PEFT: its files)
+    assert sorted(p.name for p in final.iterdir()) == ["gpt2", "llama"]
+    assert {"model.safetensors", "config.json", "adapter_config.json", "adapter_model.safetensors"} <= \
+        {p.name for p in (final / "gpt2").iterdir()}
+    assert not {ADAPTER_FILE, "trainer.pt", "state.json"} & {p.name for p in (final / "gpt2").iterdir()}
     sync = {r["model"]: r["weight_sync_bytes"] for r in run.events("start")}
     assert sync["gpt2"] == sum(t.numel() * 4 for t in adapters.values()) < sync["llama"] / 50
 
@@ -150,3 +155,28 @@ def test_a_run_trains_gpt2_through_adapters_beside_a_full_llama_and_resumes(tmp_
                if r.get("event") == "generator_weights" and r["weight_version"] == 6]
     assert {m for m, _ in resumed} == {"gpt2", "llama"}
     assert all(digest == saved[m] for m, digest in resumed)  # the saved adapters are back, bit for bit
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_peft_loads_the_adapters_a_checkpoint_writes_for_it_onto_the_base(arch, tmp_path):
+    """A LoRA checkpoint's adapter_config.json and adapter_model.safetensors (``peft_files``): PEFT's own
+    ``PeftModel.from_pretrained`` over the untouched base computes the adapted policy."""
+    from peft import PeftModel
+
+    from engine.train.checkpoint import RESUME_ONLY
+    from policies.lora import PEFT_FILES, peft_files
+
+    adapted = _model(arch)
+    _train_step(adapted)
+    base_dir = tmp_path / "base"
+    save_policy(_model(arch, lora=None), load_tokenizer(FAMILY_TOKENIZER[arch]), base_dir)  # the warm start
+    for name, data in peft_files(adapted, str(base_dir)).items():
+        (tmp_path / "adapter" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "adapter" / name).write_bytes(data)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted(PEFT_FILES)
+    loaded = PeftModel.from_pretrained(load_policy(base_dir), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        want = adapted(_tokens()).logits
+        assert not torch.allclose(load_policy(base_dir)(_tokens()).logits, want, atol=1e-4)  # the adapters count
+        assert torch.allclose(loaded(_tokens()).logits, want, atol=1e-5)
+    assert ADAPTER_FILE in RESUME_ONLY  # the final/ directory leaves out what only a resume reads

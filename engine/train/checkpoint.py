@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 STATE, TRAINER = "state.json", "trainer.pt"
+# what only a resume reads (with policies.lora.ADAPTER_FILE, named here so that the launcher needs no torch)
+RESUME_ONLY = (STATE, TRAINER, "adapter.safetensors")
 
 
 def model_dir(run_dir: str | os.PathLike, model: str) -> Path:
@@ -38,7 +40,7 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     """Checkpoint ``core`` (an ``engine.roles.learner_core.LearnerCore``); returns the step directory."""
     import torch  # here, not above: the coordinator reads checkpoints' paths and state without torch
 
-    from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged
+    from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged, peft_files
     from policies.models import save_policy
 
     root, version = model_dir(run_dir, core.model_name), core.state.version
@@ -49,7 +51,8 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     tmp = root / f".step-{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     module, files = core.module, {STATE: json.dumps(state).encode()}
-    if has_adapters(module):  # LoRA: the trained policy for any tool, and the adapters to resume from
+    if has_adapters(module):  # LoRA: the trained policy for any tool, the adapters to resume from, and for PEFT
+        files.update(peft_files(module, str(core.worker.plan.warm_checkpoints[core.model_name])))
         module, files[ADAPTER_FILE] = merged(module), adapter_bytes(module)
     save_policy(module, core.tok, tmp, files)
     # streamed into its file: serialised into memory first (BytesIO, then its bytes) the optimizer state was held
@@ -65,6 +68,31 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     _fsync(root)
     _prune(root, keep)
     return final
+
+
+FINAL = "final"  # RUN_DIR/final/<model>: the newest checkpoint's model, for from_pretrained
+
+
+def export_final(run_dir: str | os.PathLike, model: str) -> Path | None:
+    """``RUN_DIR/final/<model>/``: the model files of the newest checkpoint (hard links, no copy), without what
+    only a resume reads; a directory ``AutoModelForCausalLM.from_pretrained`` (and, for LoRA, PEFT) loads.
+    None where the model has no checkpoint."""
+    step = latest(run_dir, model)
+    if step is None:
+        return None
+    out = Path(run_dir) / FINAL / model
+    tmp = out.with_name(f".{model}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in step.iterdir():
+        if f.is_file() and f.name not in RESUME_ONLY:
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:  # another file system, or links refused: a copy
+                shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
 
 
 def latest(run_dir: str | os.PathLike, model: str) -> Path | None:
