@@ -13,6 +13,6 @@ as ``launch.py resume`` does. docs/guides/python-api.md has the whole surface.
 """
 
 from engine.config import ConfigError, RunConfig
-from mutual_rl.trainer import ModelResult, Trainer, TrainResult, resume, save_model
+from mutual_rl.trainer import ModelResult, Trainer, TrainingFailed, TrainResult, resume, save_model
 
-__all__ = ["ConfigError", "ModelResult", "RunConfig", "TrainResult", "Trainer", "resume", "save_model"]
+__all__ = ["ConfigError", "ModelResult", "RunConfig", "TrainResult", "Trainer", "TrainingFailed", "resume", "save_model"]

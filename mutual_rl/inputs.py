@@ -154,8 +154,13 @@ def _dataset(name: str, ds: Any):
     except ImportError:
         raise ConfigError(f"Trainer({name}=...): needs the datasets package "
                           "(pip install -c constraints.txt -e '.[datasets]')") from None
-    if isinstance(ds, list) and all(isinstance(r, dict) for r in ds) and ds:
+    if isinstance(ds, list) and not ds:
+        raise ConfigError(f"Trainer({name}=...): the list has no rows")
+    if isinstance(ds, list) and all(isinstance(r, dict) for r in ds):
         return datasets.Dataset.from_list(ds)
+    if isinstance(ds, list):
+        kind = next(type(r).__name__ for r in ds if not isinstance(r, dict))
+        raise ConfigError(f"Trainer({name}=...): a list of rows must hold dicts (column -> value); it holds a {kind}")
     if isinstance(ds, datasets.DatasetDict):
         raise ConfigError(f"Trainer({name}=...): a DatasetDict ({', '.join(ds)}); pass one split, e.g. "
                           f"ds[{next(iter(ds))!r}]")

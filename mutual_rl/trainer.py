@@ -59,6 +59,14 @@ class TrainResult(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class TrainingFailed(RuntimeError):
+    """``train(raise_on_failure=True)``'s error for a run that failed; ``result`` is what ``train`` returns."""
+
+    def __init__(self, message: str, result: TrainResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 class ApiOrigin(Origin):
     """Where a key came from, said in the caller's words: ``Trainer(train=...)`` or the config file."""
 
@@ -91,7 +99,7 @@ class Trainer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.callbacks, self.quiet = list(callbacks), quiet
 
-    def train(self, *, node: Any = None) -> TrainResult:
+    def train(self, *, node: Any = None, raise_on_failure: bool = False) -> TrainResult:
         """The whole run: warm starts, RL, final evaluations, the report. A config the machine refuses (a
         tokenizer that does not load, a run directory that exists, an estimated peak memory past what is
         available) is one ConfigError before anything runs.
@@ -116,7 +124,10 @@ class Trainer:
         write_resolved_config(cfg, run_dir)
         print(announce(cfg, run_dir), flush=True)
         self.trained_dir = run_dir
-        return run_in_place(cfg, run_dir, False, self.callbacks, self.quiet, node)
+        result = run_in_place(cfg, run_dir, False, self.callbacks, self.quiet, node)
+        if raise_on_failure and result.status == "failed":  # for scripts that must not carry on after one
+            raise TrainingFailed(result.error or f"the run failed (exit code {result.exit_code})", result)
+        return result
 
     def save_model(self, output_dir: str | Path, model: str | None = None) -> list[Path]:
         """TRL's ``trainer.save_model(dir)``: the last ``train()``'s final models into ``output_dir``

@@ -235,6 +235,9 @@ def test_bad_reward_functions_and_datasets_are_one_line_naming_the_argument():
                                                               "but task={'kind': 'countdown'} names kind 'countdown'"),
         (dict(train_dataset=rows, task={"answer": ""}), 'reward.funcs: names "task", but task.answer = ""'),
         (dict(eval_dataset=rows), "Trainer(eval_dataset=...): needs a train_dataset too"),
+        (dict(train_dataset=[]), "Trainer(train_dataset=...): the list has no rows"),
+        (dict(train_dataset=["1 + 1"]), "Trainer(train_dataset=...): a list of rows must hold dicts (column -> value); "
+                                        "it holds a str"),
         (dict(train_dataset=datasets.DatasetDict({"train": rows})), "Trainer(train_dataset=...): a DatasetDict (train)"),
     ]
     for kwargs, said in cases:

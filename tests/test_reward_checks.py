@@ -184,3 +184,30 @@ def test_what_a_success_is_when_the_functions_do_not_say(user):
     assert r.success == "silent" and r.weights == [1.0, 0.0] and len(r.funcs) == 2  # it judges, pays nothing
     with pytest.raises(ConfigError, match="reward.success: 'nope' names no reward function"):
         Trainer(SMOKE, reward_funcs=["task", "exact_answer"], success="nope")
+
+
+PICKY = '''
+def picky(completions, answer, **kwargs):
+    """Passes the dry call (each completion there is the answer), raises on the first other completion."""
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else c[-1]["content"]
+        if text.strip() != a:
+            raise ValueError("no partial answers here")
+    return [1.0] * len(completions)
+'''
+
+
+@pytest.mark.slow
+def test_a_function_that_fails_in_the_run_fails_train_and_raise_on_failure_raises(tmp_path, monkeypatch, engine_cache):
+    from mutual_rl import TrainingFailed
+
+    (tmp_path / "picky_rewards.py").write_text(PICKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
+    import picky_rewards
+
+    trainer = Trainer(SMOKE, run_dir=tmp_path / "run", train_dataset=_rows(), reward_funcs=["task", picky_rewards.picky],
+                      train={"steps": 4}, run={"report": False}, quiet=True)
+    with pytest.raises(TrainingFailed) as err:
+        trainer.train(raise_on_failure=True)
+    assert err.value.result.status == "failed" and "picky" in str(err.value), str(err.value)
