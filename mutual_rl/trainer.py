@@ -148,7 +148,7 @@ class Trainer:
 def save_model(run_dir: str | Path, output_dir: str | Path, model: str | None = None) -> list[Path]:
     """The trained models of a run into ``output_dir``, as ``from_pretrained`` loads them: ``model`` (or a run's
     only model) into ``output_dir`` itself, every model of several into ``output_dir/<model>``. A model with
-    LoRA adapters comes merged, with PEFT's adapter files beside it."""
+    LoRA adapters comes merged, with PEFT's adapter files in its ``adapter/`` folder."""
     import shutil
 
     from engine.train.checkpoint import FINAL

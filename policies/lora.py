@@ -81,6 +81,9 @@ def adapter_bytes(model: torch.nn.Module) -> bytes:
 
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# where a checkpoint keeps them: beside the merged model, transformers' from_pretrained would read the folder as
+# an adapter over the base (it looks for adapter_config.json), not as the merged policy
+PEFT_DIR = "adapter"
 
 
 def peft_files(model: torch.nn.Module, base: str) -> dict[str, bytes]:

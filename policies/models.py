@@ -208,6 +208,7 @@ def save_policy(
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name, data in (extra_files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # a name may hold a folder: adapter/...
             (tmp / name).write_bytes(data)
         _replace_dir(tmp, path)
     except BaseException:

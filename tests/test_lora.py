@@ -129,8 +129,9 @@ def test_a_run_trains_gpt2_through_adapters_beside_a_full_llama_and_resumes(tmp_
     assert not (checkpoint.latest(run.run_dir, "llama") / ADAPTER_FILE).exists()
     final = run.run_dir / "final"  # the newest checkpoint's models, for from_pretrained (and PEFT: its files)
     assert sorted(p.name for p in final.iterdir()) == ["gpt2", "llama"]
-    assert {"model.safetensors", "config.json", "adapter_config.json", "adapter_model.safetensors"} <= \
-        {p.name for p in (final / "gpt2").iterdir()}
+    assert {"model.safetensors", "config.json"} <= {p.name for p in (final / "gpt2").iterdir()}
+    assert sorted(p.name for p in (final / "gpt2" / "adapter").iterdir()) == ["adapter_config.json",
+                                                                             "adapter_model.safetensors"]
     assert not {ADAPTER_FILE, "trainer.pt", "state.json"} & {p.name for p in (final / "gpt2").iterdir()}
     sync = {r["model"]: r["weight_sync_bytes"] for r in run.events("start")}
     assert sync["gpt2"] == sum(t.numel() * 4 for t in adapters.values()) < sync["llama"] / 50

@@ -40,7 +40,7 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     """Checkpoint ``core`` (an ``engine.roles.learner_core.LearnerCore``); returns the step directory."""
     import torch  # here, not above: the coordinator reads checkpoints' paths and state without torch
 
-    from policies.lora import ADAPTER_FILE, adapter_bytes, has_adapters, merged, peft_files
+    from policies.lora import ADAPTER_FILE, PEFT_DIR, adapter_bytes, has_adapters, merged, peft_files
     from policies.models import save_policy
 
     root, version = model_dir(run_dir, core.model_name), core.state.version
@@ -52,7 +52,8 @@ def save(run_dir: str | os.PathLike, core, keep: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     module, files = core.module, {STATE: json.dumps(state).encode()}
     if has_adapters(module):  # LoRA: the trained policy for any tool, the adapters to resume from, and for PEFT
-        files.update(peft_files(module, str(core.worker.plan.warm_checkpoints[core.model_name])))
+        peft = peft_files(module, str(core.worker.plan.warm_checkpoints[core.model_name]))
+        files.update({f"{PEFT_DIR}/{name}": data for name, data in peft.items()})
         module, files[ADAPTER_FILE] = merged(module), adapter_bytes(module)
     save_policy(module, core.tok, tmp, files)
     # streamed into its file: serialised into memory first (BytesIO, then its bytes) the optimizer state was held
@@ -75,7 +76,8 @@ FINAL = "final"  # RUN_DIR/final/<model>: the newest checkpoint's model, for fro
 
 def export_final(run_dir: str | os.PathLike, model: str) -> Path | None:
     """``RUN_DIR/final/<model>/``: the model files of the newest checkpoint (hard links, no copy), without what
-    only a resume reads; a directory ``AutoModelForCausalLM.from_pretrained`` (and, for LoRA, PEFT) loads.
+    only a resume reads; a directory ``AutoModelForCausalLM.from_pretrained`` loads (for LoRA, the merged model,
+    and in ``adapter/`` PEFT's files for ``PeftModel.from_pretrained`` over the warm start).
     None where the model has no checkpoint."""
     step = latest(run_dir, model)
     if step is None:
@@ -84,12 +86,14 @@ def export_final(run_dir: str | os.PathLike, model: str) -> Path | None:
     tmp = out.with_name(f".{model}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for f in step.iterdir():
+    for f in step.rglob("*"):
         if f.is_file() and f.name not in RESUME_ONLY:
+            target = tmp / f.relative_to(step)
+            target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(f, tmp / f.name)
+                os.link(f, target)
             except OSError:  # another file system, or links refused: a copy
-                shutil.copy2(f, tmp / f.name)
+                shutil.copy2(f, target)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out
