@@ -75,10 +75,12 @@ class Inputs:
                 reward["nan"] = self.nan
                 said.append((["reward", "nan"], f"reward_nan={self.nan!r}"))
             if callable(self.success):  # judged by a function of its own that pays nothing
+                from tasks.rewards import reward_name
+
                 funcs = list(reward.get("funcs") or ["task"])
                 weights = list(reward.get("weights") or [1.0] * len(funcs))
                 reward.update(funcs=[*funcs, self.success_spec], weights=[*weights, 0.0],
-                              success=_success_name(self.success))
+                              success=reward_name(self.success))
                 said.append((["reward", "success"], "success=..."))
             elif self.success is not None:
                 reward["success"] = self.success
@@ -122,12 +124,6 @@ class Inputs:
     @property
     def any(self) -> bool:
         return bool(self.pickled or self.datasets)
-
-
-def _success_name(func: Any) -> str:
-    from tasks.rewards import reward_name
-
-    return reward_name(func)
 
 
 def resolved(tree: Any, run_dir: Path) -> Any:

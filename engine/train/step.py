@@ -45,7 +45,9 @@ def step_totals(state: dp.TrainState, data: dp.StepData, own, peers, pieces: lis
     zeros): no collective runs inside the objective, so no rank can skip one.
     """
     counts = torch.zeros(len(SITES), dtype=torch.float64)
-    for piece in (p for p in pieces if p):
+    for piece in pieces:
+        if not piece:  # an empty share: nothing to run, it still joins the all-reduce below
+            continue
         mine = set(piece)
         own_p, peers_p = [s for s in own if s.prompt_id in mine], [p for p in peers if p.prompt_id in mine]
         counts += local_counts(build_batch(None, own_p, peers_p, piece, state.version, pad_id, data.peer_version,
