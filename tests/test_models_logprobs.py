@@ -168,3 +168,48 @@ def test_a_large_vocabulary_step_goes_through_the_chunked_head_to_the_same_log_p
     with torch.no_grad():
         for i, r in enumerate(rows):
             torch.testing.assert_close(lp[i][target[i]].detach(), _reference(model, r), atol=1e-4, rtol=0)
+
+
+def test_a_learners_backward_adds_the_vocabulary_gradients_into_grad_in_place_to_the_same_values() -> None:
+    """A tied 262,144-token embedding and head: inside grads_into_params with the embedding's gradient sparse, two
+    backward passes (micro-batches) add into the one dense ``.grad`` and give what plain autograd's dense gradients
+    add up to, while autograd itself carries only the looked-up rows (no (V, D) matrix passes to ``.grad``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from policies.chunked_head import dense_grads, grads_into_params, sparse_input_embedding
+
+    def model():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=262_144, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                            tie_word_embeddings=True))
+
+    pieces = [_padded([list(range(7 + i, 47 + i)) for i in range(3)], 0, left=False),
+              _padded([list(range(900, 950)), list(range(5, 30))], 0, left=False)]
+
+    def backward(m, ids, mask):
+        target = mask.bool().clone()
+        target[:, 0] = False
+        token_logprobs(m, ids, mask, target).sum().backward()
+
+    plain = model()
+    for ids, mask in pieces:
+        backward(plain, ids, mask)
+    ours = model()
+    sparse = sparse_input_embedding(ours)
+    weight = ours.get_input_embeddings().weight
+    assert sparse == [weight] and weight is ours.get_output_embeddings().weight
+    carried = []
+    weight.register_hook(lambda g: carried.append(g.layout))
+    grads = []
+    for ids, mask in pieces:
+        dense_grads(sparse)
+        grads.append(weight.grad)
+        with grads_into_params():
+            backward(ours, ids, mask)
+        assert weight.grad.layout == torch.strided
+    assert grads[0] is grads[1] is weight.grad  # added into in place, both passes
+    assert carried == [torch.sparse_coo, torch.sparse_coo]  # the embedding's rows only; the head's went in place
+    for (name, got), want in zip(ours.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=5e-4, rtol=1e-3, msg=name)
+    assert weight.grad.abs().sum() > 0

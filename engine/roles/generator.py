@@ -18,6 +18,7 @@ import zlib
 
 import torch
 
+from engine.roles.memory import trim_heap
 from engine.runtime.plane import HandBack, Order, RewardFailed, UnitDone, WantWork, WorkUnit
 from engine.train.group import params_digest
 from engine.weights.channel import WeightSyncError
@@ -153,6 +154,8 @@ def sample_unit(worker, backend: GenerationBackend, tok, unit: WorkUnit, version
     with torch.no_grad():
         samples = backend.generate(prompts, unit.group_size, cfg.train.max_new_tokens, cfg.train.temperature, seed=seed,
                                    top_p=cfg.train.top_p, top_k=cfg.train.top_k)
+    if worker.device.type == "cpu":
+        trim_heap()  # the unit's KV cache back to the machine while the next unit waits
     done = time.time()
     out, errors, zero = [], [], cfg.train.reward_errors == "zero"
     flat = [(problem, ids, k, sample) for problem, ids, group in zip(unit.problems, prompts, samples)

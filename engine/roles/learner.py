@@ -35,6 +35,7 @@ from pathlib import Path
 from engine.prep.evaluation import held_out_accuracy
 from policies.templates import prompt_format
 from engine.roles.learner_core import LearnerCore, Pending
+from engine.roles.memory import trim_heap
 from engine.runtime.failures import SHARDS_LOST
 from engine.runtime.plane import GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone, StepReport
 from engine.train import checkpoint
@@ -221,6 +222,8 @@ async def _train(core: LearnerCore, raw: bytes, rank: int, world: int) -> dict:
         functools.partial(train_share, core.state, accum=core.cfg.train.grad_accum)
     result = await asyncio.to_thread(step, data, own, peers, rank, world, core.cfg.objective, core.pad_id,
                                      core.cfg.train.grad_clip, lr)
+    if core.worker.device.type == "cpu":
+        await asyncio.to_thread(trim_heap)  # the step's activations back to the machine until the next step
     await core.worker.pad_to_budget("train", core.model_name, started, result["share_samples"])
     result["busy_s"] = time.time() - started
     result["peer_used"] = len(peers)

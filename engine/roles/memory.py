@@ -96,9 +96,11 @@ def process_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc only): tensors freed on a CPU otherwise stay resident
-    in the allocator's arenas, and the machine does not get the old role's memory back."""
+    in the allocator's arenas, and the machine does not get the old role's memory back (nor, after a learner step
+    or a generation unit, the step's activations and the unit's KV cache while the process waits for the next:
+    on one host the roles' peaks then add up)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -107,7 +109,7 @@ def release() -> None:
     """Free what nothing references any more: cycles first, then the C heap's free pages, then (CUDA) the
     allocator's cached blocks."""
     gc.collect()
-    _trim_heap()
+    trim_heap()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -21,6 +21,7 @@ import torch
 
 from engine.train import group as dp
 from engine.train.batching import PeerSample, build_batch
+from policies.chunked_head import dense_grads, grads_into_params, sparse_input_embedding
 from policies.denominators import SITES, given_totals, local_counts
 from policies.objectives import PeerNeed, compute_loss, select_peers
 
@@ -107,6 +108,7 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id) \
         if world > 1 or len(pieces) > 1 else None
     done, samples = [], 0
+    sparse = sparse_input_embedding(state.model)
     for piece in (p for p in pieces if p):
         mine = set(piece)
         own_p = [s for s in own if s.prompt_id in mine]
@@ -114,7 +116,9 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
                             pad_id, data.peer_version, reference=state.reference)  # ref_logp when kl_coef > 0
         batch.totals = totals
         loss, stats = compute_loss(batch, objective, state.rng)
-        loss.backward()
+        dense_grads(sparse)
+        with grads_into_params():  # the vocabulary's gradients added into .grad, not held twice (chunked_head)
+            loss.backward()
         done.append((stats, len(own_p)))
         samples += len(own_p)
     if world > 1:
