@@ -124,16 +124,26 @@ def _driver_node_first(ray, group, nodes: int) -> list[int]:
     return sorted(range(nodes), key=lambda i: on.get(i) != here)
 
 
+def _in_time(ray, refs, what: str, timeout_s: float = 180.0):
+    """``ray.get`` of a launcher's start-up, which Ray would otherwise wait on forever (an actor whose worker
+    process never comes up)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RayPlacementError(f"{what} within {timeout_s:.0f} s of being placed (ray status, and the Ray logs "
+                                "of the node, say why)") from None
+
+
 def _launch_and_wait(ray, group, strategy, nodes: int, launch_args: list[str]) -> int:
     launcher = _launcher_class()
     actors = [launcher.options(scheduling_strategy=strategy(placement_group=group, placement_group_bundle_index=i),
                                name=None).remote() for i in _driver_node_first(ray, group, nodes)]
-    host, port = ray.get(actors[0].address.remote())
+    host, port = _in_time(ray, actors[0].address.remote(), "node 0's launcher did not start")
     shared = {k: os.environ[k] for k in FORWARDED if k in os.environ}
     torchrun = {"WORLD_SIZE": str(nodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": str(port)}
     args = [sys.executable, "-u", str(LAUNCH), *launch_args]
-    ray.get([a.start.remote(args, {**shared, **torchrun, "RANK": str(i), "LOCAL_RANK": "0"}, os.getcwd())
-             for i, a in enumerate(actors)])
+    _in_time(ray, [a.start.remote(args, {**shared, **torchrun, "RANK": str(i), "LOCAL_RANK": "0"}, os.getcwd())
+                   for i, a in enumerate(actors)], "the launchers did not all start")
     print(f"[ray] {nodes} launchers placed, one a node; node 0 at {host} coordinates", flush=True)
     previous = signal.signal(signal.SIGINT, lambda *_: actors[0].signal.remote(signal.SIGINT))
     try:

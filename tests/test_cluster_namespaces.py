@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -99,14 +100,36 @@ def _on_ray(on0, address: str, shared: Path, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _lines_until(proc: subprocess.Popen, done, timeout_s: float) -> list[str]:
-    lines, deadline = [], time.time() + timeout_s
-    for line in proc.stdout:
-        lines.append(line)
-        if done(lines):
-            return lines
-        assert time.time() < deadline, "".join(lines[-60:])
-    raise AssertionError("the driver ended first:\n" + "".join(lines[-60:]))
+class _Driver:
+    """A driver's output read by a thread as it comes: a wait polls the run itself and keeps its deadline even
+    while the driver prints nothing (a blocking read of its pipe would wait past any deadline)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def until(self, done, timeout_s: float, what: str) -> None:
+        deadline = time.time() + timeout_s
+        while not done():
+            if self.proc.poll() is not None:
+                self.reader.join(10)
+                raise AssertionError(f"the driver ended before {what}:\n" + "".join(self.lines[-60:]))
+            assert time.time() < deadline, f"no {what} within {timeout_s:.0f} s:\n" + "".join(self.lines[-60:])
+            time.sleep(0.5)
+
+    def finish(self, timeout_s: float) -> str:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the driver did not end within {timeout_s:.0f} s:\n"
+                                 + "".join(self.lines[-60:])) from None
+        self.reader.join(10)
+        return "".join(self.lines)
 
 
 def _ray_run(on0, address: str, shared: Path, run_dir: Path, *sets: str) -> subprocess.Popen:
@@ -128,30 +151,30 @@ def test_ray_places_a_launcher_a_node_stops_on_ctrl_c_resumes_and_a_lost_node_en
     with two_machines() as machines, ray_cluster(machines) as address:
         (on0, addr0), (_, addr1) = machines
         run = shared / "run"
-        driver = _ray_run(on0, address, shared, run)
-        seen = _lines_until(driver, lambda _: _steps_seen(run) >= 2, 600)
-        os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
-        out = "".join(seen) + driver.communicate(timeout=300)[0]
-        assert driver.returncode == 130, out[-3000:]
+        driver = _Driver(_ray_run(on0, address, shared, run))
+        driver.until(lambda: _steps_seen(run) >= 2, 600, "two steps")
+        os.killpg(driver.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C, to the driver: passed on to node 0's launcher
+        out = driver.finish(300)
+        assert driver.proc.returncode == 130, out[-3000:]
         assert f"[ray] 2 launchers placed, one a node; node 0 at {addr0} coordinates" in out  # the driver's node
         assert "Traceback" not in out, out[-3000:]
         assert "stopped by SIGINT" in (run / "INTERRUPTED").read_text()
         steps = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
                     if '"event": "step"' in line)
-        again = _on_ray(on0, address, shared, "resume", str(run), "--set", f"train.steps={steps + 2}")
-        out = again.communicate(timeout=600)[0]
-        assert again.returncode == 0, out[-3000:]
+        again = _Driver(_on_ray(on0, address, shared, "resume", str(run), "--set", f"train.steps={steps + 2}"))
+        out = again.finish(600)
+        assert again.proc.returncode == 0, out[-3000:]
         assert "[node1] serving the run" in out  # node 1's launcher, placed by Ray on machine 1
         result = json.loads((run / "run_result.json").read_text())
         assert result["steps"] == {"gpt2": steps + 2, "llama": steps + 2}, out[-3000:]
         assert result["audit"]["lost"] == 0 and result["audit"]["duplicates"] == 0, result["audit"]
 
         lost = shared / "lost"
-        driver = _ray_run(on0, address, shared, lost, "--set", "timeouts.node_silent_s=10")
-        seen = _lines_until(driver, lambda _: _steps_seen(lost) >= 2, 600)
+        driver = _Driver(_ray_run(on0, address, shared, lost, "--set", "timeouts.node_silent_s=10"))
+        driver.until(lambda: _steps_seen(lost) >= 2, 600, "two steps")
         raylet_of(addr1).kill()  # the other node is lost: its raylet, and with it its actor and its launcher
-        out = "".join(seen) + driver.communicate(timeout=300)[0]
-        assert driver.returncode != 0, out[-3000:]
+        out = driver.finish(300)
+        assert driver.proc.returncode != 0, out[-3000:]
         assert f"node 1 ({addr1}) said nothing for 10s" in out, out[-3000:]
         assert (lost / "FAILED").exists()
     time.sleep(1)

@@ -69,19 +69,22 @@ def encoders_for(backend: Tokenizer, profile: VocabProfile) -> Encoders:
     """The (cached) encoders of a destination backend; the caller's tokenizer object is left untouched."""
     encoders = _ENCODERS.get(profile.fingerprint)
     if encoders is None:
-        full = _private_copy(backend)
-        config = json.loads(full.to_str())
-        plain, normalize, plain_ok = _without_normalizer(full, config)
-        # tiktoken's encode for a byte-level BPE (whose `normalize` is the identity) or a SentencePiece BPE
-        fast = tiktoken_ids(config, profile.token_bytes, plain, CHECK_TEXTS)
-        if fast is None:
-            fast = sentencepiece_ids(config, profile.token_bytes, full, CHECK_TEXTS)
+        full, text = _private_copy(backend)
+        config = json.loads(text)
+        # a SentencePiece BPE's stand-in is checked against `full` itself: with it, no normalizer-less copy
+        # (a second parse of the tokenizer: seconds for Gemma 3's 262,144 tokens) is ever used
+        fast = sentencepiece_ids(config, profile.token_bytes, full, CHECK_TEXTS)
+        plain, normalize, plain_ok = _without_normalizer(full, config, build=fast is None)
+        if fast is None:  # tiktoken's encode for a byte-level BPE (whose `normalize` is the identity)
+            fast = tiktoken_ids(config, profile.token_bytes, plain, CHECK_TEXTS)
         encoders = _ENCODERS[profile.fingerprint] = Encoders(full, plain, normalize, plain_ok, fast)
     return encoders
 
 
-def _private_copy(backend: Tokenizer) -> Tokenizer:
-    encoder = Tokenizer.from_str(backend.to_str())
+def _private_copy(backend: Tokenizer) -> tuple[Tokenizer, str]:
+    """A copy to tune, and the backend's tokenizer.json text it was made from."""
+    text = backend.to_str()
+    encoder = Tokenizer.from_str(text)
     encoder.encode_special_tokens = True
     encoder.no_truncation()
     encoder.no_padding()
@@ -89,12 +92,14 @@ def _private_copy(backend: Tokenizer) -> Tokenizer:
     encoder.post_processor = None
     if _probe_ids(encoder) != before:
         encoder.post_processor = backend.post_processor
-    return encoder
+    return encoder, text
 
 
-def _without_normalizer(full: Tokenizer, config: dict) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
+def _without_normalizer(full: Tokenizer, config: dict, build: bool = True
+                        ) -> tuple[Tokenizer, Callable[[str], str], Callable[[str], bool]]:
     """(plain, normalize, plain_ok): a copy without the normalizer, what it did in Python, and the texts
-    for which that holds; when the probes agree. Else (full, identity, always). config: full's, as a dict."""
+    for which that holds; when the probes agree. Else (full, identity, always). config: full's, as a dict.
+    Not ``build``: (full, identity, plain_ok), for a caller whose fast encoder reads the raw text."""
     normalizer = config.get("normalizer")
     if normalizer == {"type": "NFC"}:
         normalize, plain_ok = _identity, partial(unicodedata.is_normalized, "NFC")
@@ -102,8 +107,12 @@ def _without_normalizer(full: Tokenizer, config: dict) -> tuple[Tokenizer, Calla
         normalize, plain_ok = _literal_normalizer(normalizer), _always
     if normalize is None or normalizer is None:
         return full, _identity, _always
+    if not build:
+        return full, _identity, plain_ok
     plain = Tokenizer.from_str(json.dumps({**config, "normalizer": None}))
     plain.encode_special_tokens = True
+    plain.no_truncation()  # config is the backend's own: its truncation and padding too
+    plain.no_padding()
     texts = [text for text in CHECK_TEXTS if plain_ok(text)]
     if _probe_ids(plain, texts, normalize) != _probe_ids(full, texts):
         return full, _identity, _always
