@@ -33,6 +33,8 @@ def preflight(cfg, forked: bool = False) -> None:
         raise ConfigError(f"task: {exc}") from None
     if note := getattr(task, "split_note", None):
         print(note, flush=True)
+    if note := success_note(task, cfg.reward.success):
+        print(note, flush=True)
     if cfg.pool.allocator == "mwra":
         from engine.schedule.allocator import controller_config
 
@@ -40,6 +42,31 @@ def preflight(cfg, forked: bool = False) -> None:
             controller_config(cfg)
         except ValueError as exc:
             raise ConfigError(f"pool.controller: {exc}") from None
+
+
+def success_note(task, configured) -> str | None:
+    """One line, said at the start, of what counts as a success (held-out accuracy, SGT's shared successes, the
+    warm start's stop rule) where the reward is the user's functions: a shaping penalty among them, which never
+    gives full marks, must not silently decide it (issue 58). None for the task's own check alone."""
+    from tasks.rewards import RewardedTask
+
+    if not isinstance(task, RewardedTask):
+        return None
+    rule, said = task.success, f"reward.success = {configured!r}"
+    if rule == "task":
+        column = getattr(task.config, "answer", "")
+        what = "the task's answer check" + (f" of the {column!r} column" if column else "")
+        if "task" not in task.specs:
+            what += " (it judges, pays nothing: \"task\" is no reward function here)"
+    elif rule == "all":
+        what = "full marks (1.0) from every reward function that judged"
+    elif isinstance(rule, str):
+        weight = task.weights[task.names.index(rule)]
+        what = f"full marks (1.0) from {rule}" + (" (weight 0: it judges, pays nothing)" if weight == 0 else "")
+    else:
+        what = f"a weighted reward of at least {rule:g}"
+    pays = " + ".join(f"{w:g} x {n}" for n, w in zip(task.names, task.weights) if w)
+    return f"success (held-out accuracy, SGT, the warm start): {what}; reward = {pays} ({said})"
 
 
 def check_memory(cfg) -> None:

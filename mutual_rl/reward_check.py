@@ -13,12 +13,12 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import traceback
 from typing import Any, Callable
 
 from engine.config import ConfigError, RunConfig
 from tasks.base import Problem
-from tasks.rewards import BUILT_IN, RewardLoadError, accepted_arguments, load_reward, reward_name
+from tasks.rewards import (BUILT_IN, RewardLoadError, accepted_arguments, load_reward, one_line, raised_at,
+                           reward_name, where)
 
 ROWS = 4  # rows of the dry call: enough to catch a length that does not follow the batch
 ALWAYS = ("prompts", "completions", "completion_ids", "problem", "answer")  # what every function may take
@@ -119,7 +119,7 @@ def _call_problem(func: Callable, given: dict[str, list], nan: str, allow: str, 
     try:
         got = func(**accepted_arguments(func, given))
     except Exception as exc:  # the user's code: whatever it raises is the answer
-        return f"raised {type(exc).__name__}: {_one_line(str(exc))} at {_raised_at(exc, func)}, {_dry(source)}"
+        return f"raised {type(exc).__name__}: {one_line(str(exc))} at {raised_at(exc, func)}, {_dry(source)}"
     said = _result_problem(got, len(given["completions"]), nan == "abstain", allow)
     return f"{said}, {_dry(source)}" if said else None
 
@@ -155,34 +155,9 @@ def _real(v: Any) -> bool:
     return False
 
 
-def where(func: Callable) -> str:
-    """The file:line a function is defined at (a callable object's ``__call__``; "?" for a builtin)."""
-    target = inspect.unwrap(func)
-    target = getattr(target, "func", target)  # functools.partial
-    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "__call__", None), "__code__", None)
-    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
-
-
-def _raised_at(exc: BaseException, func: Callable) -> str:
-    """The line of the user's file an exception came from: the last frame in the function's own file (a library
-    it called raised below it), else the last frame."""
-    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first is the dry call, here
-    if not frames:
-        return "?"
-    file = where(func).rpartition(":")[0]
-    frame = next((f for f in reversed(frames) if f.filename == file), frames[-1])
-    return f"{frame.filename}:{frame.lineno}"
-
-
 def _dry(source: str) -> str:
     return f"on a dry call with {source}, each completion the reference answer"
 
 
 def _shown(v: Any) -> str:
-    return _one_line(repr(v))
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    """A value or a message on one line, cut to ``limit`` characters."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return one_line(repr(v))

@@ -148,7 +148,7 @@ def _final_number(text: str) -> Fraction | None:
         return None  # glued to what comes before: "abc2", "(5", "~5", "-(-5"
     before = lead.rstrip("*_`$, \t\r\n")
     if before and before[-1].isalpha():
-        if re.search(r"[A-Za-z]+$", before).group().lower() in _BEFORE_NOT:
+        if re.search(r"[^\W\d_]+$", before).group().lower() in _BEFORE_NOT:  # any script's letters: "é 5" too
             return None
     elif before and before[-1] not in "=:#.?!":
         return None  # after an operator or another number: "2 + 3", "4, 5", "4\n5"

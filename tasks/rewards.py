@@ -20,8 +20,11 @@ with cloudpickle: ``mutual_rl.Trainer(reward_funcs=[f])`` writes these for funct
 notebook cell). The reward is the sum of each function's reward times its ``reward.weights`` entry, over the
 functions that did not abstain (TRL's rule). A completion is a success (what SGT and PRP share, what the
 evaluation counts) when the task's verifier accepts it, where ``"task"`` is one of the functions; otherwise
-when every function that judged it gave at least 1.0. A NaN a function returns is an error naming it (TRL sums it
-away as an abstention, which hides a bug), unless ``reward.nan = "abstain"`` reads it as None; an infinity always is.
+when every function that judged it gave at least 1.0; an evaluation (held-out accuracy, the warm start's stop rule)
+calls only what decides the success (none of the user's functions where the answer check does). A NaN a function
+returns is an error naming it (TRL sums it away as an abstention, which hides a bug), unless ``reward.nan =
+"abstain"`` reads it as None; an infinity always is. An error names the function and the file:line it is defined
+at (and, for an exception, the line of that file that raised it), in one line.
 """
 
 from __future__ import annotations
@@ -190,9 +193,9 @@ class RewardedTask:
         if isinstance(self.success, str) and self.success not in ("task", "all") and self.success not in self.names:
             raise RewardLoadError(f"reward.success = {success!r}: names no reward function (they are "
                                   f"{', '.join(self.names)}); a name, \"task\", \"all\" or a number")
-        # the verdict's success is the task's where "task" is a function and decides it: caches of it (warm
-        # starts, evaluations) hold for any other functions; otherwise the functions and the rule decide it
-        plain = "task" in self.specs and self.success == "task"
+        # where the task's answer check decides success, caches of successes (warm starts, evaluations, which
+        # call nothing else: score(only_success=True)) hold for any functions; otherwise they and the rule decide
+        plain = self.success == "task"
         self.identity = task_identity(task) if plain else {
             "task": task_identity(task), "reward": [spec_identity(s) for s in self.specs], "success": self.success}
 
@@ -209,15 +212,20 @@ class RewardedTask:
         return self.score([problem], [completion_text])[0]
 
     def score(self, problems: Sequence[Problem], texts: Sequence[str], errors: list[str] | None = None,
-              completion_ids: Sequence[Sequence[int]] | None = None) -> list[Verdict]:
+              completion_ids: Sequence[Sequence[int]] | None = None, only_success: bool = False) -> list[Verdict]:
         """Each completion's verdict: the weighted reward, the success, each function's part (NaN: abstained).
         A function that raises or answers in the wrong shape is a VerifierError naming it, or with ``errors``
-        a line there and 0 for the batch."""
+        a line there and 0 for the batch. ``only_success`` (an evaluation, which counts successes): only the
+        functions the success rule reads are called (none of the user's where the task's answer check decides);
+        the others' parts are NaN, and the reward is of those called alone."""
         n = len(texts)
         verdicts = None
         parts: list[list[float]] = []
+        reads = self.success_reads() if only_success else set(range(len(self.specs)))
         for i, spec in enumerate(self.specs):
-            if spec == "task":
+            if i not in reads:
+                parts.append([math.nan] * n)
+            elif spec == "task":
                 verdicts = TaskReward(self.task).verdicts(problems, texts, errors)
                 parts.append([v.reward for v in verdicts])
             else:
@@ -233,6 +241,16 @@ class RewardedTask:
             out.append(Verdict(reward=reward, verified=self._succeeded(mine, judged, reward, verdicts, k),
                                timed_out=timed_out, parts=tuple(mine)))
         return out
+
+    def success_reads(self) -> set[int]:
+        """The indices of ``specs`` the success rule reads: "task"'s for the answer check, the one it names, or all
+        of them ("all", a threshold of the weighted reward)."""
+        rule = self.success
+        if rule == "task":
+            return {i for i, s in enumerate(self.specs) if s == "task"}
+        if isinstance(rule, str) and rule != "all":
+            return {self.names.index(rule)}
+        return set(range(len(self.specs)))
 
     def _succeeded(self, mine: list[float], judged: list, reward: float, verdicts, k: int) -> bool:
         rule = self.success
@@ -254,14 +272,13 @@ class RewardedTask:
             columns.setdefault(key, [p.columns.get(key) for p in problems])
         prompts = [p.prompt for p in problems]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        who = f"reward function {name} ({where(func)})"  # its file and line, as the Trainer's check names it
         try:
             got = func(**accepted_arguments(func, {"prompts": prompts, "completions": completions, **columns}))
-            return _floats(got, n, name, self.nan_abstains)
+            return _floats(got, n, who, self.nan_abstains)
         except Exception as exc:  # the user's code: whatever it raises is named, never a dead process
-            frames = traceback.extract_tb(exc.__traceback__)
-            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
             said = (exc.args[0] if isinstance(exc, _BadShape) else
-                    f"reward function {name} raised {type(exc).__name__}: {exc}{where}") + \
+                    f"{who} raised {type(exc).__name__}: {one_line(str(exc))} at {raised_at(exc, func)}") + \
                 f", on a batch of {n} completions (the first of problem {problems[0].prompt_id}: " \
                 f"{problems[0].question[:60]!r})"
             if errors is None:
@@ -274,13 +291,17 @@ class _BadShape(Exception):
     """A reward function's answer that is not one float (or None) per completion."""
 
 
-def _floats(got: Any, n: int, name: str, nan_abstains: bool = False) -> list[float]:
+def _floats(got: Any, n: int, who: str, nan_abstains: bool = False) -> list[float]:
+    """``got`` as one float per completion (NaN: abstained), or a _BadShape saying what ``who`` returned."""
     try:
+        if got is None or isinstance(got, (str, bytes, dict)):  # list("yes") would read as three values
+            raise TypeError
         values = list(got)
     except TypeError:
-        raise _BadShape(f"reward function {name} returned {type(got).__name__}, not a list of {n} floats") from None
+        raise _BadShape(f"{who} returned {one_line(repr(got), 60)} ({type(got).__name__}), not a list of {n} floats "
+                        "(None to abstain)") from None
     if len(values) != n:
-        raise _BadShape(f"reward function {name} returned {len(values)} values for {n} completions")
+        raise _BadShape(f"{who} returned {len(values)} values for {n} completions")
     out = []
     for v in values:
         if v is None:
@@ -291,15 +312,40 @@ def _floats(got: Any, n: int, name: str, nan_abstains: bool = False) -> list[flo
                 raise TypeError
             value = float(v)
         except (TypeError, ValueError):
-            raise _BadShape(f"reward function {name} returned {v!r} ({type(v).__name__}), not a float or None") \
+            raise _BadShape(f"{who} returned {one_line(repr(v), 60)} ({type(v).__name__}), not a float or None") \
                 from None
         if math.isnan(value) and not nan_abstains:  # NaN means "abstain" only where the user said so
-            raise _BadShape(f"reward function {name} returned NaN, an error (reward.nan = \"error\"): return None "
+            raise _BadShape(f"{who} returned NaN, an error (reward.nan = \"error\"): return None "
                             "to abstain, or set reward.nan = \"abstain\"")
         if math.isinf(value):  # one infinite reward makes every advantage of its group NaN
-            raise _BadShape(f"reward function {name} returned {value}, not a finite float")
+            raise _BadShape(f"{who} returned {value}, not a finite float")
         out.append(value)
     return out
+
+
+def where(func: Callable) -> str:
+    """The file:line a function is defined at (a callable object's ``__call__``; "?" for a builtin)."""
+    target = inspect.unwrap(func)
+    target = getattr(target, "func", target)  # functools.partial
+    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "__call__", None), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
+
+
+def raised_at(exc: BaseException, func: Callable) -> str:
+    """The line of the user's file an exception came from: the last frame in the function's own file (a library
+    it called raised below it), else the last frame. The first frame is the caller's (the call of ``func``)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]
+    if not frames:
+        return "?"
+    file = where(func).rpartition(":")[0]
+    frame = next((f for f in reversed(frames) if f.filename == file), frames[-1])
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A value or a message on one line, cut to ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def accepted_arguments(func: Callable, columns: dict[str, list]) -> dict[str, list]:
@@ -316,8 +362,9 @@ def accepted_arguments(func: Callable, columns: dict[str, list]) -> dict[str, li
 
 
 def score(task: Task, problems: Sequence[Problem], texts: Sequence[str], errors: list[str] | None = None,
-          completion_ids: Sequence[Sequence[int]] | None = None) -> list[Verdict]:
-    """Verdicts of a batch: by the task's reward functions where it has them, else its verifier one by one."""
+          completion_ids: Sequence[Sequence[int]] | None = None, only_success: bool = False) -> list[Verdict]:
+    """Verdicts of a batch: by the task's reward functions where it has them, else its verifier one by one.
+    ``only_success``: only what decides the success is called (``RewardedTask.score``)."""
     if isinstance(task, RewardedTask):
-        return task.score(problems, texts, errors, completion_ids)
+        return task.score(problems, texts, errors, completion_ids, only_success)
     return TaskReward(task).verdicts(problems, texts, errors)

@@ -62,6 +62,7 @@ TABLE: list[tuple[str, str, bool, str]] = [
     ("5", "at least 5", False, "a bound, not an answer"),
     ("5", "\uff15", False, "a full-width digit: non-ASCII digits are refused"),
     ("5", "5 is", False, "trailing words that are not a unit"),
+    ("5", "voilà 5", True, "a word ending in a non-ASCII letter before it (once an AttributeError that stopped runs)"),
     ("5", "", False, "nothing"),
     # --- negative answers ---
     ("-5", "-5", True, "a negative number"),

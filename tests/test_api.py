@@ -42,44 +42,78 @@ def _as_a_user(tmp_path: Path, engine_cache: Path) -> dict:
     return {**os.environ, "MUTUAL_RL_CACHE": str(engine_cache)}
 
 
-TRL_NAMES = ("reward", "reward_std", "frac_reward_zero_std", "rewards/brief/std", "completions/mean_length",
+def port() -> str:
+    """The docs example as a TRL script ported here would have it: the script's own correctness function on the answer
+    column and a shaping penalty that never gives full marks, weights 1.0 and 0.2, no "task" among the functions
+    (issue 58: with the all-functions rule a success was never seen, and held-out accuracy read 0% silently)."""
+    example = docs_example()
+    funcs = 'reward_funcs=["task", brief],          # "task": the dataset\'s answer column, checked strictly'
+    assert example.count(funcs) == 1 and example.count("\ntrainer = Trainer(") == 1
+    return example.replace(funcs, "reward_funcs=[correctness, length_penalty],").replace("\ntrainer = Trainer(", '''
+def correctness(prompts, completions, answer, **kwargs):
+    return [1.0 if c[0]["content"].strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def length_penalty(prompts, completions, **kwargs):
+    return [-len(c[0]["content"]) / 10 for c in completions]
+
+
+trainer = Trainer(''', 1)
+
+
+TRL_NAMES = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
              "completions/min_length", "completions/max_length", "completions/clipped_ratio", "learning_rate",
              "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-CHECK_RUN = f"TRL_NAMES = {TRL_NAMES!r}\n" + """
+
+
+def check_run(pays: str, shapes: str) -> str:
+    """Code run after the example: what its run wrote, printed as one RESULT line; ``pays`` and ``shapes``: its
+    reward functions' names (weights 1.0 and 0.2)."""
+    return f"TRL_NAMES = {TRL_NAMES + (f'rewards/{shapes}/std',)!r}\nNAMES = {(pays, shapes)!r}\n" + CHECK_RUN
+
+
+CHECK_RUN = """
 import glob, json, math
 run_dir = result.run_dir
 steps = [json.loads(l) for l in open(run_dir / "metrics.jsonl") if '"event": "step"' in l]
-parts = [(r["reward_mean"], r["rewards/task/mean"], r["rewards/brief/mean"]) for r in steps]
+parts = [(r["reward_mean"], r[f"rewards/{NAMES[0]}/mean"], r[f"rewards/{NAMES[1]}/mean"]) for r in steps]
 trl = [{k: r.get(k) for k in TRL_NAMES} for r in steps]
+peers = {m: [max(r["peer_experiences"] for r in steps if r["model"] == m),
+             max(r["peer_used"] for r in steps if r["model"] == m)] for m in result.models}
 from transformers import AutoModelForCausalLM
 saved = trainer.save_model(run_dir.parent / ("saved-" + run_dir.name))  # TRL's habit: one directory a model
 loaded = {p.name: AutoModelForCausalLM.from_pretrained(p).num_parameters() for p in saved}
 print("RESULT", json.dumps({"status": result.status, "code": result.exit_code, "run_dir": str(run_dir),
                             "steps": {m: v.steps for m, v in result.models.items()},
                             "accuracy": {m: [v.accuracy_before, v.accuracy_after, v.eval_n] for m, v in result.models.items()},
-                            "parts": parts, "trl": trl, "loaded": loaded, "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
+                            "parts": parts, "trl": trl, "loaded": loaded, "peers": peers,
+                            "funcs": sorted(glob.glob(str(run_dir / "inputs" / "*.pkl")))}))
 """
 
 
-def _check_example_run(out: str) -> dict:
+def _check_example_run(out: str, ported: bool = False) -> dict:
+    """The run whose RESULT line comes first in ``out``: the docs example's, or ``port()``'s."""
     said = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    shapes = "length_penalty" if ported else "brief"  # the port's shaping penalty: at most 0, never full marks
     assert said["status"] == "finished" and said["code"] == 0, out[-3000:]
     assert said["steps"] == {"gpt2": 12, "llama": 12}
     for before, after, n in said["accuracy"].values():
         assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0 and n == 18  # 30 distinct held out, 18 scored
     assert len(said["parts"]) == 24  # each model's 12 steps, each with both functions' means (TRL's names)
     for mean, task, brief in said["parts"]:
-        assert mean == pytest.approx(task + 0.2 * brief) and 0.0 <= task <= 1.0 and 0.0 <= brief <= 1.0
+        assert mean == pytest.approx(task + 0.2 * brief) and 0.0 <= task <= 1.0
+        assert brief <= 0.0 if ported else 0.0 <= brief <= 1.0
     assert sorted(said["loaded"]) == ["gpt2", "llama"] and all(n > 0 for n in said["loaded"].values())
     for (mean, *_), trl in zip(said["parts"], said["trl"]):  # what a TRL user reads first, under TRL's names
         assert trl["reward"] == pytest.approx(mean) and trl["reward_std"] >= 0.0 and trl["learning_rate"] > 0
         assert 1 <= trl["completions/min_length"] <= trl["completions/mean_length"] <= trl["completions/max_length"]
         assert 0.0 <= trl["completions/clipped_ratio"] <= 1.0 and trl["entropy"] > 0.0
         assert trl["clip_ratio/region_mean"] == pytest.approx(trl["clip_ratio/low_mean"] + trl["clip_ratio/high_mean"])
-        assert 0.0 <= trl["frac_reward_zero_std"] <= 1.0 and trl["rewards/brief/std"] >= 0.0
-    assert [Path(f).name for f in said["funcs"]] == ["reward-1-brief.pkl"]  # the cell's function, pickled
+        assert 0.0 <= trl["frac_reward_zero_std"] <= 1.0 and trl[f"rewards/{shapes}/std"] >= 0.0
+    pickled = ["reward-0-correctness.pkl", "reward-1-length_penalty.pkl"] if ported else ["reward-1-brief.pkl"]
+    assert [Path(f).name for f in said["funcs"]] == pickled  # the cell's functions, pickled
     config = (Path(said["run_dir"]) / "config.toml").read_text()
-    assert f'"file:{said["run_dir"]}/inputs/reward-1-brief.pkl"' in config  # what a resume reads
+    assert all(f'"file:{said["run_dir"]}/inputs/{name}"' in config for name in pickled)  # what a resume reads
     assert "task: 30 held-out problems (eval_fraction=0.1" in out and "Traceback" not in out
     return said
 
@@ -90,8 +124,14 @@ def test_the_docs_example_runs_as_written_from_a_script_and_inside_a_running_eve
     the top level of __main__, the kernel's loop running: the run goes on a thread of its own), in one process.
     A TRL-signature function from __main__, with a column of the dataset's, and the task's check, on a
     datasets.Dataset of chat prompts with a system prompt: two models end to end each time; then ``resume``
-    re-reads the first run's pickled function and dataset and trains two steps more."""
-    cell = docs_example() + CHECK_RUN
+    re-reads the first run's pickled function and dataset and trains two steps more.
+
+    The second cell is the example ported from a TRL script (``port()``, issue 58): the script's own correctness function
+    and a shaping penalty, no "task". The run says at the start what a success is (the answer column's check, not
+    full marks from every function, which the penalty never gives), its warm starts meet their stop rule, the
+    held-out accuracy counts solved problems, and SGT shares successes."""
+    cell = docs_example() + check_run("task", "brief")
+    ported = port() + check_run("correctness", "length_penalty")
     proc = _script(tmp_path, f"""
         import asyncio, json
 
@@ -100,7 +140,7 @@ def test_the_docs_example_runs_as_written_from_a_script_and_inside_a_running_eve
 
         async def kernel():
             asyncio.get_running_loop()  # what the API sees in a notebook
-            exec({cell!r}, globals())
+            exec({ported!r}, globals())
 
         asyncio.run(kernel())
         from mutual_rl import resume
@@ -110,8 +150,20 @@ def test_the_docs_example_runs_as_written_from_a_script_and_inside_a_running_eve
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-3000:]
     script_said = _check_example_run(out)
-    loop_said = _check_example_run(out.split("RESULT ", 1)[1])
+    port_out = out.split("RESULT ", 1)[1]
+    loop_said = _check_example_run(port_out, ported=True)
     assert loop_said["run_dir"] != script_said["run_dir"]
+    port_out = port_out.split("RESULT ", 1)[0]  # what the port's run printed
+    assert ("success (held-out accuracy, SGT, the warm start): the task's answer check of the 'answer' column (it "
+            "judges, pays nothing: \"task\" is no reward function here); reward = 1 x correctness + 0.2 x "
+            "length_penalty (reward.success = 'auto')") in port_out.splitlines(), port_out[-3000:]
+    for model in ("gpt2", "llama"):  # the answer check is what the warm start stops on: it never met "all"
+        ended = [line for line in port_out.splitlines() if line.startswith(f"warm start {model}: ")][-1]
+        assert "reached stop_accuracy 0.2" in ended, port_out[-3000:]  # (or "loaded from cache (it reached ...")
+    solved = [max(before, after) for before, after, _ in loop_said["accuracy"].values()]
+    assert max(solved) > 0.0, loop_said["accuracy"]  # (the warm starts solve a quarter to a half of the 18)
+    assert all(received > 0 for received, _ in loop_said["peers"].values()), loop_said["peers"]  # SGT shared
+    assert any(used > 0 for _, used in loop_said["peers"].values()), loop_said["peers"]
     assert "leaked semaphore" not in out  # multiprocessing's warning at exit (tqdm's lock in each actor: quiet_datasets)
     again = json.loads(out.split("RESUMED ", 1)[1].splitlines()[0])
     assert again == {"status": "finished", "steps": {"gpt2": 14, "llama": 14}}, out[-3000:]

@@ -51,3 +51,17 @@ def test_the_final_table_shows_the_cut_before_and_after_and_in_training(capsys):
            f"train.max_new_tokens={cfg.train.max_new_tokens})" in out
     print_summary(cfg, _preps(cfg), finals)  # an eval cache from before the count; no training window
     assert "- → 31%" in capsys.readouterr().out
+
+
+def test_acc_at_n_counts_the_problems_there_were_not_the_number_configured():
+    """A task with two held-out problems, eval.num_problems = 1000 and eval.live_problems = 500 (issue 58): the
+    warm start's and the live accuracies were measured on 2 problems, and the line says acc@2, not acc@1000."""
+    cfg = load_run_config(ROOT / "configs/default.toml", ["eval.num_problems=1000", "eval.live_problems=500"])
+    preps = [PrepResult(model=m, checkpoint="", warm_accuracy=0.5, warm_accuracy_stderr=0.35, eval_n=2,
+                        vocab_size=100) for m in cfg.names]
+    display = LiveDisplay(cfg, preps, enabled=False)
+    assert "acc@2 0.500" in display.line("gpt2") and "acc@1000" not in display.line("gpt2")
+    display.update("gpt2", 50, StepReport(0.6, 1.0, 0.1, 3200, 0, 1.0, 0, 0.0, 0.0, 2))
+    assert "acc@2 1.000" in display.line("gpt2")
+    display.update("gpt2", 51, StepReport(0.6, 1.0, 0.1, 3264, 0, None, 0, 0.0))  # no evaluation this step
+    assert "acc@2 1.000" in display.line("gpt2")

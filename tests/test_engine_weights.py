@@ -8,6 +8,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -187,6 +188,49 @@ def _channels(tag: str):
 
 def _sockets(tag: str):
     return Path(tempfile.gettempdir()) / f"{SOCK_DIR_PREFIX}test-{tag}", make_sock_dir
+
+
+CLAIMS_A_CHANNEL = """
+import sys, torch
+from engine.weights.channel import WeightWriter
+from engine.weights.places import channel_root
+root = channel_root(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
+writer = WeightWriter(root, model)
+writer.publish(1)
+print(root, flush=True)
+sys.stdin.read()  # until it is killed
+"""
+
+
+def test_a_sigkilled_runs_channel_stays_until_the_next_run_removes_it():
+    """Issue 58: a coordinator SIGKILLed (a whole run killed: nothing of it can clean up) leaves its channel, the
+    model's weights in shared memory; the next run on the host removes it when it claims its own."""
+    tag = uuid.uuid4().hex[:8]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.Popen([sys.executable, "-c", CLAIMS_A_CHANNEL, f"test-{tag}-killed"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mine = None
+    try:
+        root = Path(killed.stdout.readline().strip())
+        assert root.name == f"mutual-rl-test-{tag}-killed" and (root / OWNER).read_text() == str(killed.pid)
+        held = [f for f in root.rglob("*") if f.is_file() and f.name != OWNER]
+        assert held and sum(f.stat().st_size for f in held) > 50 * 8 * 4  # the published weights
+        killed.kill()
+        killed.wait(timeout=30)
+        assert root.is_dir()  # nothing of a killed run removes it
+        mine = channel_root(f"test-{tag}-next")  # the next run's claim
+        assert not root.exists(), "the next run did not remove a killed run's channel"
+    finally:
+        killed.kill()
+        killed.wait(timeout=30)
+        for stale in Path(tempfile.gettempdir()).glob(f"mutual-rl-test-{tag}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in Path("/dev/shm").glob(f"mutual-rl-test-{tag}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if mine is not None:
+            shutil.rmtree(mine, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", [_channels, _sockets], ids=["channels", "sockets"])

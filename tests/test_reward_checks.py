@@ -6,8 +6,10 @@ The functions live in a real file (as a user's script's do), so that the lines t
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import os
 import textwrap
 from pathlib import Path
 
@@ -46,6 +48,30 @@ def nan(completions, **kwargs):
 
 def one(completions, **kwargs):
     return 1.0
+
+def _dry(completions, answer):
+    """Whether this is the Trainer's dry call: each completion its row's answer."""
+    return all((c if isinstance(c, str) else c[-1]["content"]).strip() == a for c, a in zip(completions, answer))
+
+def late_raise(completions, answer, **kwargs):
+    if not _dry(completions, answer):
+        raise ValueError("no partial answers here")
+    return [1.0] * len(completions)
+
+def late_short(completions, answer, **kwargs):
+    return [1.0] * len(completions) if _dry(completions, answer) else [1.0]
+
+def late_none(completions, answer, **kwargs):
+    return [1.0] * len(completions) if _dry(completions, answer) else None
+
+def late_string(completions, answer, **kwargs):
+    return [1.0] * len(completions) if _dry(completions, answer) else "1.0"
+
+def late_strings(completions, answer, **kwargs):
+    return [1.0] * len(completions) if _dry(completions, answer) else ["1.0"] * len(completions)
+
+def late_nan(completions, answer, **kwargs):
+    return [1.0] * len(completions) if _dry(completions, answer) else [math.nan] * len(completions)
 
 def boom(completions, budget, **kwargs):
     scores = []
@@ -158,10 +184,47 @@ def test_in_the_run_a_nan_is_an_error_unless_it_may_abstain(user, dataset_file, 
         return
     with pytest.raises(VerifierError) as err:
         task.score(problems, texts)
-    assert str(err.value).startswith('reward function nan returned NaN, an error (reward.nan = "error"): return '
-                                     'None to abstain, or set reward.nan = "abstain", on a batch of 3 completions')
+    _, path = user
+    assert str(err.value).startswith(f'reward function nan ({path}:{_line(path, "def nan(")}) returned NaN, an error '
+                                     '(reward.nan = "error"): return None to abstain, or set reward.nan = "abstain", '
+                                     'on a batch of 3 completions')
     errors: list[str] = []  # train.reward_errors = "zero": the batch scored 0, the line counted
     assert [v.parts[1] for v in task.score(problems, texts, errors)] == [0.0] * 3 and len(errors) == 1
+
+
+@pytest.mark.parametrize("name, said", [
+    ("late_raise", "raised ValueError: no partial answers here at {path}:{raised}"),
+    ("late_short", "returned 1 values for 3 completions"),
+    ("late_none", "returned None (NoneType), not a list of 3 floats (None to abstain)"),
+    ("late_string", "returned '1.0' (str), not a list of 3 floats (None to abstain)"),
+    ("late_strings", "returned '1.0' (str), not a float or None"),
+    ("late_nan", 'returned NaN, an error (reward.nan = "error"): return None to abstain, or set reward.nan = '
+                 '"abstain"'),
+])
+def test_a_function_that_goes_wrong_only_past_the_dry_call_is_one_line_in_the_run_as_one_that_raises(
+        user, dataset_file, name, said):
+    """Each passes the Trainer's dry call (each completion the answer) and goes wrong on the run's completions:
+    a wrong length, None, a string, strings, NaN are each the same one-line VerifierError as a raise (which a
+    generator sends as RewardFailed: the run stops, the slow test below), naming the function and its file:line;
+    scored 0 with the line kept where train.reward_errors = "zero"; and an evaluation, whose successes the answer
+    check decides, never calls it."""
+    module, path = user
+    Trainer(SMOKE, train_dataset=_rows(), reward_funcs=["task", getattr(module, name)])  # the dry call passes
+    task = RewardedTask(make_task(DatasetConfig(path=str(dataset_file), eval_fraction=0.2)),
+                        ["task", f"user_rewards:{name}"], [1.0, 1.0])
+    problems = [task.problem(i) for i in range(3)]
+    wrong = [str(int(p.answer) + 1) for p in problems]
+    with pytest.raises(VerifierError) as err:
+        task.score(problems, wrong)
+    got = str(err.value)
+    said = said.format(path=path, raised=_line(path, 'raise ValueError("no partial answers here")'))
+    assert got.startswith(f"reward function {name} ({path}:{_line(path, f'def {name}(')}) {said}, on a batch of 3 "
+                          f"completions (the first of problem {problems[0].prompt_id}: "), got
+    assert "\n" not in got
+    errors: list[str] = []
+    assert [v.parts[1] for v in task.score(problems, wrong, errors)] == [0.0] * 3 and errors == [got]
+    judged = task.score(problems, wrong, only_success=True)  # as every evaluation scores: the answer check alone
+    assert [v.verified for v in judged] == [False] * 3 and all(math.isnan(v.parts[1]) for v in judged)
 
 
 def test_what_a_success_is_when_the_functions_do_not_say(user):
@@ -187,27 +250,73 @@ def test_what_a_success_is_when_the_functions_do_not_say(user):
 
 
 PICKY = '''
+import json
+import os
+
+CALLS = {calls!r}
+
+
 def picky(completions, answer, **kwargs):
-    """Passes the dry call (each completion there is the answer), raises on the first other completion."""
-    for c, a in zip(completions, answer):
-        text = c if isinstance(c, str) else c[-1]["content"]
-        if text.strip() != a:
-            raise ValueError("no partial answers here")
-    return [1.0] * len(completions)
+    """Writes down each call (its process, its completions); pays the answer, and raises from a process's third
+    call on (the dry call is the test's process's first)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    with open(CALLS, "a") as f:
+        f.write(json.dumps({{"pid": os.getpid(), "texts": texts}}) + "\\n")
+    with open(CALLS) as f:
+        mine = sum(json.loads(line)["pid"] == os.getpid() for line in f)
+    if mine > 2:
+        raise ValueError("no partial answers here")
+    return [1.0 if t.strip() == a else 0.0 for t, a in zip(texts, answer)]
 '''
 
 
 @pytest.mark.slow
-def test_a_function_that_fails_in_the_run_fails_train_and_raise_on_failure_raises(tmp_path, monkeypatch, engine_cache):
+def test_a_function_that_fails_in_the_run_is_one_line_and_the_run_stops_with_its_last_checkpoints(
+        tmp_path, monkeypatch, engine_cache, capfd):
+    """A function that passes the dry call and raises in the run's third step (sync mode: every learner has taken
+    two steps by then): the one line that names it, with its file and the line that raised, is all the user sees
+    of it (no traceback); each model's learner keeps the checkpoint of the step it reached; the final evaluations
+    (whose successes the answer check decides) do not call it again; train(raise_on_failure=True) raises."""
     from mutual_rl import TrainingFailed
 
-    (tmp_path / "picky_rewards.py").write_text(PICKY)
+    calls = tmp_path / "calls.jsonl"
+    path = tmp_path / "picky_rewards.py"
+    path.write_text(PICKY.format(calls=str(calls)))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
     import picky_rewards
 
-    trainer = Trainer(SMOKE, run_dir=tmp_path / "run", train_dataset=_rows(), reward_funcs=["task", picky_rewards.picky],
-                      train={"steps": 4}, run={"report": False}, quiet=True)
+    run_dir = tmp_path / "run"
+    trainer = Trainer(SMOKE, run_dir=run_dir, train_dataset=_rows(), reward_funcs=["task", picky_rewards.picky],
+                      train={"steps": 6, "max_model_lead_steps": 1}, run={"report": False, "mode": "sync"}, quiet=True)
     with pytest.raises(TrainingFailed) as err:
         trainer.train(raise_on_failure=True)
-    assert err.value.result.status == "failed" and "picky" in str(err.value), str(err.value)
+    out, errs = capfd.readouterr()
+    seen = out + errs
+    said = (f"reward function picky ({path}:{_line(path, 'def picky(')}) raised ValueError: no partial answers here "
+            f"at {path}:{_line(path, 'raise ValueError')}, on a batch of 64 completions")
+    assert err.value.result.status == "failed" and str(err.value).startswith(said), str(err.value)
+    named = [line for line in seen.splitlines() if "reward function picky" in line]
+    assert len(named) == 1 and said in named[0], seen  # said once, in one line
+    assert "Traceback" not in seen and "exited with code" not in seen, seen
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for model in ("gpt2", "llama"):
+        reached = max(r["step"] for r in records if r.get("model") == model and r["event"] == "step")
+        final = next((r for r in records if r.get("model") == model and r["event"] == "final"), {})
+        kept = json.loads((run_dir / "checkpoints" / model / "latest" / "state.json").read_text())["step"]
+        assert reached >= 2 and final.get("step") == kept == reached, (model, reached, final, kept)
+
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    dry = [c for c in made if c["pid"] == os.getpid()]
+    in_run = [c for c in made if c["pid"] != os.getpid()]
+    assert len(dry) == 1 and len(dry[0]["texts"]) == 4  # the Trainer's dry call, here
+    # every call in the run is a generator's, on a step (8 prompts x 8 samples): none from the warm starts' or the
+    # learners' evaluations (the final ones: 2 held-out problems), and no generator called it after it raised
+    pids = json.loads((run_dir / "pids.json").read_text())
+    roles = next(r for r in records if r["event"] == "allocation")["workers"]
+    generators = {pids[w] for w, (role, _) in roles.items() if role == "generator"}
+    per_process = collections.Counter(c["pid"] for c in in_run)
+    assert set(per_process) <= generators, (per_process, pids, roles)
+    assert {len(c["texts"]) for c in in_run} == {64}, [len(c["texts"]) for c in in_run]
+    assert set(per_process.values()) <= {2, 3} and 3 in per_process.values(), per_process

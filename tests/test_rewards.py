@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
 
 import cloudpickle
@@ -90,6 +91,29 @@ def test_a_success_is_the_answer_check_by_default_and_what_reward_success_says_o
         verdicts("brevity")
 
 
+def test_the_run_says_at_the_start_what_a_success_is_where_the_reward_is_the_users_functions(dataset_file):
+    """One line (engine.session.success_note, printed before the run starts) names the rule and what pays, so a
+    shaping penalty cannot silently decide every success; the task's own check alone needs none."""
+    from engine.session import success_note
+
+    config = DatasetConfig(path=str(dataset_file), eval_fraction=0.2)
+    funcs, weights = ["my_rewards:named_only", "my_rewards:brief"], [1.0, 0.2]
+    said = {rule: success_note(make_task(config, funcs, weights, rule), rule) for rule in ("auto", "all", "brief", 0.5)}
+    head = "success (held-out accuracy, SGT, the warm start): "
+    assert said["auto"] == (head + "the task's answer check of the 'answer' column (it judges, pays nothing: \"task\" "
+                            "is no reward function here); reward = 1 x named_only + 0.2 x brief (reward.success = 'auto')")
+    assert said["all"].startswith(head + "full marks (1.0) from every reward function that judged; reward = ")
+    assert said["brief"].startswith(head + "full marks (1.0) from brief; ")
+    assert said[0.5].startswith(head + "a weighted reward of at least 0.5; ")
+    assert all("\n" not in line for line in said.values())
+    judged = make_task(config, [*funcs, "my_rewards:brief"], [1.0, 0.2, 0.0], "brief_2")  # success=function
+    assert "full marks (1.0) from brief_2 (weight 0: it judges, pays nothing); reward = 1 x named_only + 0.2 x " \
+           "brief_1 (" in success_note(judged, "brief_2")
+    with_task = make_task(config, ["task", "my_rewards:brief"], [1.0, 0.2])
+    assert "answer check of the 'answer' column; reward = 1 x task + 0.2 x brief" in success_note(with_task, "auto")
+    assert success_note(make_task(config), "auto") is None
+
+
 def test_functions_get_the_batch_with_problem_and_completion_ids(dataset_file):
     task = _task(dataset_file, ["my_rewards:seen"])
     problems = [task.problem(i) for i in range(4)]
@@ -97,13 +121,16 @@ def test_functions_get_the_batch_with_problem_and_completion_ids(dataset_file):
 
 
 @pytest.mark.parametrize("name, said", [
-    ("boom", "reward function boom raised KeyError: 'budget' at "),
-    ("short", "reward function short returned 1 values for 3 completions"),
-    ("words", "reward function words returned 'yes' (str), not a float or None"),
+    ("boom", "raised KeyError: 'budget' at "),
+    ("short", "returned 1 values for 3 completions"),
+    ("words", "returned 'yes' (str), not a float or None"),
 ])
 def test_a_bad_function_is_one_line_naming_it_or_zero_with_the_line_counted(dataset_file, name, said):
     task = _task(dataset_file, [f"my_rewards:{name}"])
     problems = [task.problem(i) for i in range(3)]
+    defined = sys.modules["my_rewards"].__file__  # imported once per session, from the first test's folder
+    line = next(i for i, text in enumerate(open(defined).read().splitlines(), 1) if f"def {name}(" in text)
+    said = f"reward function {name} ({defined}:{line}) {said}"  # where it is defined, as the Trainer's check says
     with pytest.raises(VerifierError) as err:
         task.score(problems, ["1", "2", "3"])
     assert str(err.value).startswith(said) and "\n" not in str(err.value)
@@ -223,6 +250,13 @@ def test_one_function_pickled_by_two_runs_is_one_cache_identity_and_another_is_n
         return done.stdout.strip()
 
     first, second, other = pickled("run-a", 20), pickled("run-b", 20), pickled("run-c", 30)
-    identity = lambda path: _task(dataset_file, [f"file:{path}"]).identity  # noqa: E731
-    assert first != second and identity(first) == identity(second)
-    assert identity(first) != identity(other)
+
+    def identity(path: str, success: str):
+        cfg = DatasetConfig(path=str(dataset_file), eval_fraction=0.2)
+        return make_task(cfg, [f"file:{path}"], success=success).identity
+
+    # where the function decides the success, its bytes key the caches
+    assert first != second and identity(first, "brevity") == identity(second, "brevity")
+    assert identity(first, "brevity") != identity(other, "brevity")
+    # where the answer column's check does (the default), no function changes what is cached: one warm start
+    assert identity(first, "auto") == identity(other, "auto") == _task(dataset_file, ["task"]).identity

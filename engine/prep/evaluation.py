@@ -68,7 +68,9 @@ def evaluate(
         samples = backend.generate(prompts, 1, max_new_tokens, temperature, seed=seed + start)
         texts = [tokenizer.decode(sample.completion_ids, skip_special_tokens=True) for (sample,) in samples]
         ids = [sample.completion_ids for (sample,) in samples]
-        correct += sum(v.verified for v in score(task, problems, texts, errors, ids))
+        # successes only: a reward function the success rule does not read is not called (a broken one that
+        # stopped the run is not called again by the final evaluation where the answer check decides)
+        correct += sum(v.verified for v in score(task, problems, texts, errors, ids, only_success=True))
         cut += sum(sample.finish_reason == "length" for (sample,) in samples)
         if progress is not None:
             progress(start + len(problems), num_problems, correct)

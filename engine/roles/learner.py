@@ -272,13 +272,14 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     record.update(trl_step_metrics(p.own, record["learning_rate"], result, getattr(w.task, "names", ())))
     if core.cfg.pool.script or core.cfg.pool.allocator == "mwra":
         record["params_digest"] = dp.params_digest(core.module)  # lets a test check every hand-over bit for bit
-    ev = core.cfg.eval
+    ev, live_n = core.cfg.eval, 0
     if ev.every_steps and version % ev.every_steps == 0 and version < core.cfg.train.steps:
         res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, prompt_format(core.spec), w.task,
                                       ev.live_problems, ev, core.cfg.eval_max_new_tokens,
                                       f"{core.model_name} live at step {version} (eval.live_problems)",
                                       False, core.cfg.train.reward_errors)  # no result line: the display's acc@N
         record.update(accuracy=res.accuracy, accuracy_stderr=res.stderr, eval_truncated=res.truncated)
+        live_n = res.n  # the display's acc@N: the problems there were, not the number configured
     if _checkpoint_due(core):
         started = time.time()
         await _gather_moments(core)
@@ -290,7 +291,7 @@ async def _after_step(core: LearnerCore, group: GroupSpec, p: Pending, result: d
     core.log_scalars(version, record)
     report = StepReport(record["reward_mean"], record["staleness_mean"], record["step_s"], t["own_experiences"],
                         t["peer_experiences"], record.get("accuracy"), t["peer_used"], record["truncated_frac"],
-                        record.get("eval_truncated"))
+                        record.get("eval_truncated"), live_n)
     await w.plane.send(StepDone(core.model_name, version, group.epoch, len(group.members), p.prompts, p.misses,
                                 p.solo, report))
     await _send_stats(core, len(p.own), record["step_s"], p.idle_s, core.ingest.queued_own(), p.peer_wait_s,

@@ -35,7 +35,9 @@ class LiveDisplay:
         self.step = {n: 0 for n in self.names}
         self.report: dict[str, object] = {}
         self.acc: dict[str, float | None] = {p.model: p.warm_accuracy for p in preps}
-        self.acc_n = {p.model: cfg.eval.num_problems for p in preps}  # problems behind the shown accuracy
+        # distinct problems behind the shown accuracy: those evaluated (a task with fewer than eval.num_problems
+        # held out has them all), not the number configured
+        self.acc_n = {p.model: p.eval_n or cfg.eval.num_problems for p in preps}
         self.started = time.time()
         self.enabled, self.plain_every_s, self._last_plain = enabled, plain_every_s, time.time()
         self.live = None
@@ -47,7 +49,7 @@ class LiveDisplay:
         self.step[model], self.report[model] = step, report
         self.cut.stepped(model, step, report)
         if report.accuracy is not None:
-            self.acc[model], self.acc_n[model] = report.accuracy, self.cfg.eval.live_problems
+            self.acc[model], self.acc_n[model] = report.accuracy, report.eval_n or self.cfg.eval.live_problems
 
     def line(self, name: str) -> str:
         r, step, steps = self.report.get(name), self.step[name], self.cfg.train.steps

@@ -76,12 +76,15 @@ class FailurePolicy:
             self.messages.append(text)
 
     def reward_failed(self, text: str) -> None:
-        """A verifier raised (train.reward_errors = "stop"): the run stops as at its time limit, then ends FAILED
-        with ``text`` (said once, there; other generators' reports of the same are dropped)."""
+        """A verifier or a reward function raised or answered in the wrong shape (train.reward_errors = "stop"): the
+        run stops as at its time limit (each leader checkpoints its last step and evaluates, calling only what
+        decides a success), then ends FAILED with ``text`` (said once, there; other generators' reports of the same
+        are dropped)."""
         if self.stop_now is None:
             self.stop_now = text
             self.fail(text)
-            self.c.say('\nthe task\'s verifier raised: stopping (train.reward_errors = "stop"; the error is below)')
+            self.c.say('\nthe reward failed: stopping, each model checkpointing the step it reached '
+                       '(train.reward_errors = "stop"; the error is below)')
 
     def judged(self, wid: str, done) -> None:
         """A unit's verifier time-outs and errors scored 0 (train.reward_errors = "zero"): counted in the metrics,

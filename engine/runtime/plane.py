@@ -63,6 +63,7 @@ class StepReport(msgspec.Struct, array_like=True):
     peer_used: int = 0  # peer samples the objective has read so far (of peer_total received)
     truncated_frac: float = 0.0  # share of this step's own samples that hit train.max_new_tokens
     eval_truncated: float | None = None  # share of the live evaluation's completions cut, when evaluated
+    eval_n: int = 0  # distinct problems behind ``accuracy``: eval.live_problems, or fewer where the task has fewer
 
 
 # worker -> coordinator
