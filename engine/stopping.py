@@ -12,7 +12,7 @@ import time
 
 from engine.runtime import actors
 from engine.runtime.hub import stop_broker
-from engine.runtime.plane import Halt
+from engine.runtime.plane import END_OF_RUN, REWARD_FAILED, Halt
 
 
 async def halt(run) -> None:
@@ -20,10 +20,11 @@ async def halt(run) -> None:
     run.stopping = True
     t = run.cfg.timeouts
     others = [w for w, (r, _) in run.roster.assignment.items() if r != "learner"]
-    await run.send_all([(w, Halt("end of run")) for w in others])
+    await run.send_all([(w, Halt(END_OF_RUN)) for w in others])
     await _wait_exit(run, others, t.halt_s)
     learners = [w for w, (r, _) in run.roster.assignment.items() if r == "learner"]
-    await run.send_all([(w, Halt("end of run")) for w in learners])
+    reason = REWARD_FAILED if run.failures.stop_now else END_OF_RUN  # stop_now: a reward function failed
+    await run.send_all([(w, Halt(reason)) for w in learners])
     owed = [m for m in run.names if m not in run.failures.left]
     deadline = time.time() + t.final_s
     while (not all(m in run.finals for m in owed) and time.time() < deadline and _any_alive(run, learners)
@@ -56,7 +57,7 @@ async def shutdown(run) -> None:
             task.cancel()
     procs, grace = list(run.actors.values()), run.cfg.timeouts.stop_s
     if hasattr(run, "plane"):  # a failed run skipped the halt: its workers are still told to stop, not left to
-        halt = Halt("end of run")  # wait out the grace (after a halt they are gone already: nothing is sent)
+        halt = Halt(END_OF_RUN)  # wait out the grace (after a halt they are gone already: nothing is sent)
         await run.send_all([(name, halt) for name, a in run.actors.items() if name != "broker" and a.alive])
     await asyncio.to_thread(actors.stop_all, [a for a in procs if a.name != "broker" and a.local], grace)
     if run.nodes is not None:

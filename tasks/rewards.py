@@ -348,6 +348,11 @@ def one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def user_judged(task: Task) -> bool:
+    """Whether a success of ``task`` is judged by a user's reward function (an evaluation calls it)."""
+    return isinstance(task, RewardedTask) and any(task.specs[i] != "task" for i in task.success_reads())
+
+
 def accepted_arguments(func: Callable, columns: dict[str, list]) -> dict[str, list]:
     """The keyword arguments ``func`` takes: all of them with ``**kwargs``, else those it names (TRL's functions
     take ``**kwargs``; one written for this project alone may name just ``completions`` and ``answer``)."""

@@ -320,3 +320,41 @@ def test_a_function_that_fails_in_the_run_is_one_line_and_the_run_stops_with_its
     assert set(per_process) <= generators, (per_process, pids, roles)
     assert {len(c["texts"]) for c in in_run} == {64}, [len(c["texts"]) for c in in_run]
     assert set(per_process.values()) <= {2, 3} and 3 in per_process.values(), per_process
+
+
+@pytest.mark.slow
+def test_where_the_function_that_failed_judges_success_the_final_evaluation_is_skipped_not_run(
+        tmp_path, monkeypatch, engine_cache, capfd):
+    """``success="picky"``: the held-out evaluation would call the function that stopped the run, so each model's
+    final evaluation is skipped, said in a line, with no figures (not zeros); the checkpoints stand; no process but
+    the learners call it (no warm start: the models start as built)."""
+    from mutual_rl import TrainingFailed
+
+    calls = tmp_path / "calls.jsonl"
+    path = tmp_path / "picky_rewards2.py"
+    path.write_text(PICKY.format(calls=str(calls)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
+    import picky_rewards2
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(SMOKE, run_dir=run_dir, train_dataset=_rows(), reward_funcs=["task", picky_rewards2.picky],
+                      success="picky", warmstart={"steps": 0}, train={"steps": 6, "max_model_lead_steps": 1},
+                      run={"report": False, "mode": "sync"}, quiet=True)
+    with pytest.raises(TrainingFailed):
+        trainer.train(raise_on_failure=True)
+    out, errs = capfd.readouterr()
+    seen = out + errs
+    assert sum("reward function picky" in line for line in seen.splitlines()) == 1, seen
+    assert "Traceback" not in seen and "exited with code" not in seen, seen
+    skipped = [line for line in seen.splitlines() if "no final evaluation" in line]
+    assert sorted(line.split("]")[0] for line in skipped) == ["[gpt2", "[llama"], seen
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for model in ("gpt2", "llama"):
+        final = next(r for r in records if r.get("model") == model and r["event"] == "final")
+        kept = json.loads((run_dir / "checkpoints" / model / "latest" / "state.json").read_text())["step"]
+        assert final["accuracy"] is None and final["eval_n"] == 0 and final["step"] == kept >= 2, final
+    pids = json.loads((run_dir / "pids.json").read_text())
+    roles = next(r for r in records if r["event"] == "allocation")["workers"]
+    learners = {pids[w] for w, (role, _) in roles.items() if role == "learner"}
+    assert not learners & {json.loads(line)["pid"] for line in calls.read_text().splitlines()}

@@ -37,7 +37,8 @@ from policies.templates import prompt_format
 from engine.roles.learner_core import LearnerCore, Pending
 from engine.roles.memory import trim_heap
 from engine.runtime.failures import SHARDS_LOST
-from engine.runtime.plane import GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone, StepReport
+from engine.runtime.plane import (REWARD_FAILED, GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone,
+                                  StepReport)
 from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.sharding import ShardedTwin
@@ -45,6 +46,8 @@ from engine.train.step import learning_rate, peers_for, train_share
 from engine.train.trl_metrics import trl_step_metrics
 from exchange.log import fsync_log
 from exchange.protocol import SCHEMA_VERSION, Stats, WeightsReady
+from tasks.base import VerifierError
+from tasks.rewards import user_judged
 
 STOP, REGROUP, BROKEN, FINISHED = "stop", "regroup", "broken", "finished"
 
@@ -353,13 +356,30 @@ async def _send_stats(core: LearnerCore, consumed: int, busy: float, idle: float
         weight_version=core.state.version))
 
 
+class _NotEvaluated:
+    accuracy = stderr = truncated = None
+    n = 0
+
+
+NOT_EVALUATED = _NotEvaluated()  # a final evaluation the task's scoring could not run: no figures, not zeros
+
+
 async def _finish(core: LearnerCore, stopped_early: bool) -> None:
     """Checkpoint, evaluate on held-out problems, report what was never trained."""
     cfg, w = core.cfg, core.worker
     ckpt = str(await asyncio.to_thread(_checkpoint, core))
-    res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, prompt_format(core.spec), w.task,
-                                  cfg.eval.num_problems, cfg.eval, cfg.eval_max_new_tokens,
-                                  f"{core.model_name} final (held-out)", True, cfg.train.reward_errors)
+    if w.inbox.halt_reason == REWARD_FAILED and user_judged(w.task):  # it would call the failed function again
+        print(f"[{core.model_name}] no final evaluation: a success is judged by the reward functions, and one "
+              "failed", file=sys.stderr, flush=True)
+        res = NOT_EVALUATED
+    else:
+        try:
+            res = await asyncio.to_thread(held_out_accuracy, core.module, core.tok, prompt_format(core.spec), w.task,
+                                          cfg.eval.num_problems, cfg.eval, cfg.eval_max_new_tokens,
+                                          f"{core.model_name} final (held-out)", True, cfg.train.reward_errors)
+        except VerifierError as exc:  # the task's scoring failed here first: the checkpoint stands, no figures
+            print(f"[{core.model_name}] no final evaluation: {exc}", file=sys.stderr, flush=True)
+            res = NOT_EVALUATED
     queued = list(core.ingest.complete)
     t = core.totals
     core.log_scalars(core.state.version, {"final_accuracy": res.accuracy, "final_accuracy_stderr": res.stderr,

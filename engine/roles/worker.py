@@ -70,6 +70,7 @@ class Inbox:
         self.work: collections.deque[WorkUnit] = collections.deque()
         self.gone: dict[str, str] = {}
         self.halt = False
+        self.halt_reason = ""
         self.changed = asyncio.Event()
 
     def newer_order(self, than: Order | None) -> bool:
@@ -145,7 +146,7 @@ class Worker:
             elif isinstance(msg, PeersGone):
                 self.inbox.gone = dict(msg.gone)
             elif isinstance(msg, Halt):
-                self.inbox.halt = True
+                self.inbox.halt, self.inbox.halt_reason = True, msg.reason
             elif isinstance(msg, BrokerBack):
                 for core in self.learners.values():
                     core.broker_restarted(msg.restarts)

@@ -187,7 +187,10 @@ class PeersGone(_Msg, tag="gone"):
 class Halt(_Msg, tag="halt"):
     """The run is over: finish the current unit or step, report, exit."""
 
-    reason: str
+    reason: str  # END_OF_RUN, or REWARD_FAILED: a leader's final evaluation then calls no reward function that failed
+
+
+END_OF_RUN, REWARD_FAILED = "end of run", "reward failed"
 
 
 class BrokerBack(_Msg, tag="broker"):
