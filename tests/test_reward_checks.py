@@ -7,6 +7,7 @@ The functions live in a real file (as a user's script's do), so that the lines t
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import math
 import os
@@ -270,6 +271,26 @@ def picky(completions, answer, **kwargs):
 '''
 
 
+def _picky_run(tmp_path: Path, monkeypatch, engine_cache: Path, module: str, **settings):
+    """configs/smoke.toml paid by the task's check and ``picky`` (written as ``module``.py), six sync steps, run by
+    ``train(raise_on_failure=True)``: picky's file, its calls, the run directory and the TrainingFailed raised."""
+    from mutual_rl import TrainingFailed
+
+    calls = tmp_path / "calls.jsonl"
+    path = tmp_path / f"{module}.py"
+    path.write_text(PICKY.format(calls=str(calls)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
+    picky = importlib.import_module(module).picky
+    run_dir = tmp_path / "run"
+    trainer = Trainer(SMOKE, run_dir=run_dir, train_dataset=_rows(), reward_funcs=["task", picky],
+                      train={"steps": 6, "max_model_lead_steps": 1}, run={"report": False, "mode": "sync"}, quiet=True,
+                      **settings)
+    with pytest.raises(TrainingFailed) as err:
+        trainer.train(raise_on_failure=True)
+    return path, calls, run_dir, err.value
+
+
 @pytest.mark.slow
 def test_a_function_that_fails_in_the_run_is_one_line_and_the_run_stops_with_its_last_checkpoints(
         tmp_path, monkeypatch, engine_cache, capfd):
@@ -277,25 +298,12 @@ def test_a_function_that_fails_in_the_run_is_one_line_and_the_run_stops_with_its
     two steps by then): the one line that names it, with its file and the line that raised, is all the user sees
     of it (no traceback); each model's learner keeps the checkpoint of the step it reached; the final evaluations
     (whose successes the answer check decides) do not call it again; train(raise_on_failure=True) raises."""
-    from mutual_rl import TrainingFailed
-
-    calls = tmp_path / "calls.jsonl"
-    path = tmp_path / "picky_rewards.py"
-    path.write_text(PICKY.format(calls=str(calls)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
-    import picky_rewards
-
-    run_dir = tmp_path / "run"
-    trainer = Trainer(SMOKE, run_dir=run_dir, train_dataset=_rows(), reward_funcs=["task", picky_rewards.picky],
-                      train={"steps": 6, "max_model_lead_steps": 1}, run={"report": False, "mode": "sync"}, quiet=True)
-    with pytest.raises(TrainingFailed) as err:
-        trainer.train(raise_on_failure=True)
+    path, calls, run_dir, failed = _picky_run(tmp_path, monkeypatch, engine_cache, "picky_rewards")
     out, errs = capfd.readouterr()
     seen = out + errs
     said = (f"reward function picky ({path}:{_line(path, 'def picky(')}) raised ValueError: no partial answers here "
             f"at {path}:{_line(path, 'raise ValueError')}, on a batch of 64 completions")
-    assert err.value.result.status == "failed" and str(err.value).startswith(said), str(err.value)
+    assert failed.result.status == "failed" and str(failed).startswith(said), str(failed)
     named = [line for line in seen.splitlines() if "reward function picky" in line]
     assert len(named) == 1 and said in named[0], seen  # said once, in one line
     assert "Traceback" not in seen and "exited with code" not in seen, seen
@@ -326,29 +334,14 @@ def test_a_function_that_fails_in_the_run_is_one_line_and_the_run_stops_with_its
 def test_where_the_function_that_failed_judges_success_the_final_evaluation_is_skipped_not_run(
         tmp_path, monkeypatch, engine_cache, capfd):
     """``success="picky"``: the held-out evaluation would call the function that stopped the run, so each model's
-    final evaluation is skipped, said in a line, with no figures (not zeros); the checkpoints stand; no process but
-    the learners call it (no warm start: the models start as built)."""
-    from mutual_rl import TrainingFailed
-
-    calls = tmp_path / "calls.jsonl"
-    path = tmp_path / "picky_rewards2.py"
-    path.write_text(PICKY.format(calls=str(calls)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("MUTUAL_RL_CACHE", str(engine_cache))
-    import picky_rewards2
-
-    run_dir = tmp_path / "run"
-    trainer = Trainer(SMOKE, run_dir=run_dir, train_dataset=_rows(), reward_funcs=["task", picky_rewards2.picky],
-                      success="picky", warmstart={"steps": 0}, train={"steps": 6, "max_model_lead_steps": 1},
-                      run={"report": False, "mode": "sync"}, quiet=True)
-    with pytest.raises(TrainingFailed):
-        trainer.train(raise_on_failure=True)
+    final evaluation is skipped, with no figures (not zeros); the checkpoints stand; no learner
+    calls it (no warm start: the models start as built)."""
+    _, calls, run_dir, _ = _picky_run(tmp_path, monkeypatch, engine_cache, "picky_rewards2", success="picky",
+                                      warmstart={"steps": 0})
     out, errs = capfd.readouterr()
     seen = out + errs
     assert sum("reward function picky" in line for line in seen.splitlines()) == 1, seen
     assert "Traceback" not in seen and "exited with code" not in seen, seen
-    skipped = [line for line in seen.splitlines() if "no final evaluation" in line]
-    assert sorted(line.split("]")[0] for line in skipped) == ["[gpt2", "[llama"], seen
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for model in ("gpt2", "llama"):
         final = next(r for r in records if r.get("model") == model and r["event"] == "final")
