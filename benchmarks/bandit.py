@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from policies.bandit import METHODS, ProbeReport, analyse, paper_bandit
+from benchmarks.bandit_model import METHODS, ProbeReport, analyse, paper_bandit
 
 COLUMNS = [
     ("grad_norm", "|E u|"),

@@ -40,7 +40,7 @@ def _uvloop_run(coro):
 # --- exchange path ---
 
 def _exchange_subscriber(endpoint: str, n: int, ready, results) -> None:
-    from exchange.transport import Subscriber
+    from exchange.subscriber import Subscriber
 
     async def main() -> None:
         sub = Subscriber(endpoint, ["exp."], name="bench")
@@ -56,7 +56,7 @@ def _exchange_subscriber(endpoint: str, n: int, ready, results) -> None:
 
 
 def _exchange_publisher(endpoint: str, n: int, go, results) -> None:
-    from exchange.transport import Publisher
+    from exchange.publisher import Publisher
 
     msgs = make_experiences(n)
 
@@ -83,7 +83,9 @@ def run_exchange(n: int, log: bool) -> float:
     sub = ctx.Process(target=_exchange_subscriber, args=(cfg.backend, n, ready, results))
     pub = ctx.Process(target=_exchange_publisher, args=(cfg.frontend, n, go, results))
     try:
-        broker.start(); sub.start(); pub.start()
+        broker.start()
+        sub.start()
+        pub.start()
         if not ready.wait(60):
             raise RuntimeError("the benchmark subscriber never became ready")
         return _timed(go, results, n)
@@ -168,7 +170,8 @@ def run_raw(n: int, use_asyncio: bool) -> float:
     pull = ctx.Process(target=_raw_pull, args=(endpoint, n, use_asyncio, ready, results))
     push = ctx.Process(target=_raw_push, args=(endpoint, n, use_asyncio, go, results))
     try:
-        pull.start(); push.start()
+        pull.start()
+        push.start()
         if not ready.wait(60):
             raise RuntimeError("the raw PULL process never became ready")
         return _timed(go, results, n)

@@ -143,7 +143,7 @@ def measure_learner(model, tokenizer, device, sizes: dict) -> tuple[dict, torch.
     own, data, objective = _learner_batch(tokenizer, sizes)
     B, P, C = sizes["train_batch"], sizes["prompt_len"], sizes["completion_len"]
     times = []
-    for step in range(sizes["train_steps"] + 1):  # the first is warm-up
+    for _ in range(sizes["train_steps"] + 1):  # the first is warm-up
         _sync(device)
         started = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -162,7 +162,7 @@ def measure_sharded(model, tokenizer, device, sizes: dict) -> dict:
     group of one over NCCL (gloo on CPU), its ShardedTwin stepping the same batch as ``measure_learner``."""
     import torch.distributed as dist
 
-    from engine.runtime.rundir import free_port
+    from engine.record.rundir import free_port
     from engine.train import group as dp
     from engine.train.optim import adamw
     from engine.train.sharding import ShardedTwin

@@ -13,7 +13,7 @@ where PyPI has them, built where it has only sources), the wheels of the project
   own dependencies alone are 10 MB).
 
 numba is left out: llvmlite alone is 58 MB. The THL's compiled loops then run as plain Python there
-(tokenbridge/kernels.py), slower and alike. The last line is one JSON object: size, wheels, ``ok`` when
+(tokenbridge/jit.py), slower and alike. The last line is one JSON object: size, wheels, ``ok`` when
 the wheelhouse fits ``LIMIT_MIB``.
 """
 

@@ -45,7 +45,7 @@ POOL = 20_000  # distinct messages a publisher builds (~1 s); longer rounds send
 
 
 def _publisher(endpoint: str, n: int, go, results, built=None) -> None:
-    from exchange.transport import Publisher
+    from exchange.publisher import Publisher
 
     pool = make_experiences(min(n, POOL))
     # each send its own id (the broker refuses a repeated one): a pooled message goes out again as another generator's

@@ -78,7 +78,7 @@ def predicted_rate(split: dict[str, int], pool, G: int, duration: float) -> floa
 
 
 def run_one(cfg, label: str, workdir: Path):
-    from engine.coordinator import run_config
+    from engine.session import run_config
 
     pool = cfg.pool
     print(f"--- {label}: {pool.allocator} {dict(pool.split) or ''} for {cfg.run.max_minutes * 60:g}s", flush=True)

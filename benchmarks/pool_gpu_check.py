@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
 
-    from engine.coordinator import run_config
+    from engine.session import run_config
 
     cfg = _configure(args.device, args.steps)
     started = time.time()

@@ -104,7 +104,7 @@ def measure(reps: int, zero_copy: bool, broadcast: bool = False) -> dict:
     if checksum == 0.0:
         raise SystemExit("error: the generator's weights never changed")
     # the first publish creates and maps the slots (or forms the pair group): a one-time cost, left out
-    seconds = statistics.median(p + l for p, l in zip(publish[1:], load[1:]))
+    seconds = statistics.median(publish_s + load_s for publish_s, load_s in zip(publish[1:], load[1:]))
     memcpy_s = statistics.median(memcpy)
     how = "broadcast (gloo pair group)" if broadcast else "zero copy" if zero_copy else "copy out of the slot"
     print(f"{how}: {nbytes / 1e6:.1f} MB per sync, median {seconds * 1e3:.2f} ms (publish "

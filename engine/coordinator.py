@@ -1,6 +1,6 @@
 """The coordinator: one asyncio (uvloop) process that runs a whole job, every job.
 
-    launch.py run -> mutual_rl.Trainer -> engine.session -> Coordinator.run():
+    launch.py run / mutual_rl.Trainer -> mutual_rl.runs -> engine.session -> Coordinator.run():
         warm starts (cached; one process per model)
         broker (SEE hub) ── one process: experience, Stats, the experience log
         workers w0..wN-1 ── engine.roles.worker: one device each, one role each
@@ -10,7 +10,7 @@
 The end is always the same path, whatever triggers it (``engine.stopping``): generators
 halt first, then learners, then every process is stopped, so nothing outlives the run.
 
-One failure policy (``engine.runtime.failures``): a dead generator's units go out again and a
+One failure policy (``engine.failures``): a dead generator's units go out again and a
 fresh worker takes its place; a dead learner rank's group re-forms from the survivors; a model
 with no learner left leaves the run and its peers train solo, saying so; a dead broker starts
 again (past pool.max_broker_restarts, the run ends). Each is one line on stderr and a record.
@@ -32,16 +32,16 @@ from engine.config import RunConfig
 from engine.prep.prepare import PrepFailed, PrepResult, prepare_all, record_warm_starts
 from engine.roles.plan import WorkerPlan
 from engine.runtime import actors
-from engine.outcome import RunResult, prompts_trained_by_all, report, write_result
-from engine.runtime.cluster import ClusterError, Node, curve_server, node_of
-from engine.runtime.display import LiveDisplay
-from engine.runtime.failures import FailurePolicy, RunFailed
+from engine.outcome import prompts_trained_by_all, report, write_result
+from engine.cluster.node import ClusterError, Node, client_keys, curve_server, node_of, tcp
+from engine.record.display import LiveDisplay
+from engine.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub
-from engine.runtime.metrics import MetricsWriter
-from engine.runtime.nodes import start_cluster
+from engine.record.metrics import MetricsWriter
+from engine.cluster.links import start_cluster
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, RewardFailed, StepDone, UnitDone, WantWork, Work)
-from engine.runtime.rundir import make_sock_dir, write_json, write_pids
+from engine.record.rundir import make_sock_dir, write_json, write_pids
 from engine.schedule.resume import resume_plan
 from engine.schedule.allocator import make_allocator
 from engine.schedule.dispatch import Dispatch
@@ -56,11 +56,12 @@ PAUSE_SAID_S = 5.0  # a drive-loop turn this much later than its cadence is said
 
 class Coordinator:
     def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, resume: bool = False,
-                 node: Node | None = None):
+                 node: Node | None = None, watch=None):
         self.cfg, self.run_dir, self.quiet, self.resuming = cfg, run_dir, quiet, resume
-        self.node = node  # node 0 of a cluster (engine.runtime.cluster); None on one machine
+        self.watch = watch  # the caller's hooks (``engine.session.RunWatch``: mutual_rl's callbacks), or None
+        self.node = node  # node 0 of a cluster (engine.cluster.node); None on one machine
         self.host = node.master_addr if node else None  # where node 0 listens (tcp); None: ipc
-        self.nodes = None  # engine.runtime.nodes.NodeLink, in a cluster
+        self.nodes = None  # engine.cluster.links.NodeLink, in a cluster
         self.resume_from: dict[str, str] = {}  # model -> checkpoint, for the workers spawned at the start
         self.names = cfg.names
         self.allocator = make_allocator(cfg, run_dir)  # with the scripted moves (.script)
@@ -81,6 +82,7 @@ class Coordinator:
         self.moves, self.timeline = 0, []  # MWRA's moves, and every role change (for the report)
         self.preps: list[PrepResult] = []
         self.interrupted, self.stopping = None, False  # the signal (int) that stopped the run; stopping under way
+        self.stopped_by = ""  # who stopped it: the signal's name, or what a watch said
         self.open = asyncio.Event()  # dispatch starts once every first leader has its inbox
         self.changed = asyncio.Event()
         self.t_start = self.t_stop = 0.0
@@ -116,17 +118,18 @@ class Coordinator:
             await shutdown(self)
         return report(self, result)
 
-    def on_signal(self, sig: int) -> None:
+    def on_signal(self, sig: int, by: str | None = None) -> None:
+        """Ctrl-C (or a watch's stop, ``by`` naming it, as SIGINT): checkpoints and final evaluations, INTERRUPTED."""
         if self.interrupted is not None:  # a second Ctrl-C: stop waiting for checkpoints and evaluations
             self.failures.aborted = sig  # the user's choice, not a failure: INTERRUPTED, and resumable
             for a in [*self.actors.values(), *getattr(self, "prep_actors", [])]:
                 a.process.kill()
             return
-        self.interrupted = sig
+        self.interrupted, self.stopped_by = sig, by or signal.Signals(sig).name
         self.interrupted_in = "the warm start" if not self.actors else "the run"
         then = ("nothing to save: a warm start is cached only when complete" if not self.actors
                 else "checkpoints and final evaluations follow; again to abort")
-        self.say(f"\n{signal.Signals(sig).name} during {self.interrupted_in}: stopping ({then})")
+        self.say(f"\n{self.stopped_by} during {self.interrupted_in}: stopping ({then})", err=by is not None)
         for a in getattr(self, "prep_actors", []):
             a.process.kill()  # a warm start is cached only when complete: nothing to save
         self.changed.set()
@@ -143,8 +146,9 @@ class Coordinator:
             await start_cluster(self)
 
     async def _start(self) -> None:
-        hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator",
-                              self.cfg.timeouts.worker_start_s, self.host, self.node.keys if self.node else "")
+        ends = (tcp(self.host), tcp(self.host)) if self.host else None  # a cluster's node 0: tcp, else ipc
+        hub = await start_hub(self.run_dir, self.sock_dir, ["stats"], "coordinator", self.cfg.timeouts.worker_start_s,
+                              ends, client_keys(self.node.keys) if self.node else None)
         self.hub = hub
         self.actors["broker"] = hub.actor
         self.broker_in, self.broker_out, self.pub, self.sub = hub.broker_in, hub.broker_out, hub.pub, hub.sub
@@ -340,6 +344,8 @@ class Coordinator:
                 self.failures.reward_failed(msg.text)
             elif isinstance(msg, LearnerFinal):
                 self.finals[msg.model] = msg
+                if self.watch is not None:
+                    self.watch.final(msg)
                 self.dispatch.leave(msg.model)
                 self.set_gone()
             self.dispatch_all()
@@ -356,6 +362,8 @@ class Coordinator:
             self.set_gone()
         if hasattr(self, "display"):
             self.display.update(msg.model, msg.step, msg.report)
+        if self.watch is not None and self.interrupted is None and (why := self.watch.step(msg.model, msg.step, msg.report)):
+            self.on_signal(signal.SIGINT, by=why)  # as Ctrl-C: checkpoints, final evaluations, resumable
 
     def _formed(self, msg: GroupFormed) -> None:
         rec = self.formations.setdefault((msg.model, msg.epoch), {"model": msg.model, "epoch": msg.epoch,
@@ -389,12 +397,3 @@ class Coordinator:
             self.metrics.write(event="allocation", t=t, counts=counts,  # workers: a monitor's timeline starts here
                                workers={w: list(rm) for w, rm in sorted(self.roster.assignment.items())})
 
-
-def run_config(cfg: RunConfig, run_dir: Path, quiet: bool = True) -> tuple[int, RunResult | None]:
-    """One whole run in this process (benchmarks, checks): its exit code and its result, if it got that far."""
-    import uvloop
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    code = uvloop.run(Coordinator(cfg, run_dir, quiet=quiet).run())
-    path = run_dir / "run_result.json"
-    return code, msgspec.json.decode(path.read_bytes(), type=RunResult) if path.exists() else None

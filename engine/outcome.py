@@ -8,8 +8,8 @@ import sys
 
 import msgspec
 
-from engine.runtime.display import print_summary
-from engine.runtime.rundir import mark
+from engine.record.display import print_summary
+from engine.record.rundir import mark
 from engine.schedule.audit import Audit, audit_log
 
 
@@ -32,7 +32,7 @@ class RunResult(msgspec.Struct):
     timeline: list[dict]  # {"t": s, "counts": {pool: workers}}
     audit: Audit
     # per model, the share of completions cut at max_new_tokens (no EOS): "before" and "after" RL in the held-out
-    # evaluations, "train" over its own samples of the last steps (engine.runtime.truncation); None: not measured
+    # evaluations, "train" over its own samples of the last steps (engine.record.truncation); None: not measured
     truncated: dict[str, dict[str, float | None]] = {}
 
 
@@ -110,7 +110,7 @@ def report(c, result: RunResult | None) -> int:
               f"steps {result.steps}; {result.moves} moves, {result.regroups} learner re-formations; "
               f"experience logged {a.logged}, {lost}, duplicated {a.duplicates}")
     if c.interrupted is not None:
-        name = signal.Signals(c.interrupted).name
+        name = c.stopped_by or signal.Signals(c.interrupted).name
         # In the config's model order, not the order the finals came in: the marker reads the same every run.
         saved = ", ".join(f"{m} at step {c.finals[m].step}" for m in c.names if m in c.finals) \
             or "none (nothing trained)"

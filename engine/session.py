@@ -1,10 +1,12 @@
-"""One run from start to end, as ``mutual_rl.Trainer`` (and through it ``launch.py run``) drives it: the pre-flight
-checks, the actors' fork server, the coordinator's loop, the report; a stopped run made ready to resume; this
-node's place in a torchrun cluster."""
+"""The engine's part of a run, for ``mutual_rl.runs`` (the run's one home) to call: the pre-flight checks and the
+memory check, the actors' fork server, the coordinator's loop with a watch of its steps, a stopped run made ready
+to resume; this node's place in a torchrun cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Protocol
 
 
 def preflight(cfg, forked: bool = False) -> None:
@@ -172,31 +174,31 @@ def _unservable(generation) -> str | None:
 
 
 def this_node():
-    """This launcher's node when torchrun started one per node (``engine.runtime.cluster``); None on one machine.
+    """This launcher's node when torchrun started one per node (``engine.cluster.node``); None on one machine.
     A launch environment that cannot make a cluster is a ClusterError saying why."""
-    from engine.runtime.cluster import from_env
+    from engine.cluster.node import from_env
 
     return from_env()
 
 
 def serve_node(node) -> int:
     """Node r > 0: take node 0's plan and serve its run (its own --config and --run-dir are not used)."""
-    from engine.runtime import node_agent
-    from engine.runtime.cluster import NODE_WAIT_S, ClusterError, share_plan
+    from engine.cluster import agent
+    from engine.cluster.node import NODE_WAIT_S, ClusterError, share_plan
 
-    start_actor_server()
-    print(f"[node{node.rank}] waiting for node 0 at {node.master_addr} (up to {NODE_WAIT_S:.0f}s)", flush=True)
-    try:
-        plan = share_plan(node, None, NODE_WAIT_S)
-    except ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return node_agent.serve(node, plan)
+    with actor_server():
+        print(f"[node{node.rank}] waiting for node 0 at {node.master_addr} (up to {NODE_WAIT_S:.0f}s)", flush=True)
+        try:
+            plan = share_plan(node, None, NODE_WAIT_S)
+        except ClusterError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return agent.serve(node, plan)
 
 
 def refuse_nodes(node) -> None:
     """Node 0 could not start the run: every other node hears so at once, instead of waiting out its time-out."""
-    from engine.runtime.cluster import NODE_WAIT_S, ClusterError, ClusterPlan, share_plan
+    from engine.cluster.node import NODE_WAIT_S, ClusterError, ClusterPlan, share_plan
 
     if node is not None:
         try:
@@ -204,6 +206,17 @@ def refuse_nodes(node) -> None:
                        NODE_WAIT_S)
         except ClusterError:
             pass
+
+
+@contextlib.contextmanager
+def actor_server(cfg=None):
+    """The actors' fork server while the block runs (``start_actor_server``), stopped however the block ends: the
+    one place a run starts and stops it."""
+    start_actor_server(cfg)
+    try:
+        yield
+    finally:
+        stop_actor_server()
 
 
 def start_actor_server(cfg=None) -> None:
@@ -222,21 +235,25 @@ def stop_actor_server() -> None:
     actors.stop_server()
 
 
-def train(cfg, run_dir, resume: bool = False, node=None, quiet: bool = False, started=None) -> int:
+class RunWatch(Protocol):
+    """What a caller of ``train`` hears on the run's loop, as it happens (``mutual_rl``'s callbacks): each learner
+    step (``step`` returns a reason to stop the run, as Ctrl-C stops it, or None) and each model's final."""
+
+    def step(self, model: str, step: int, report) -> str | None: ...  # report: engine.runtime.plane.StepReport
+
+    def final(self, final) -> None: ...  # engine.runtime.plane.LearnerFinal
+
+
+def train(cfg, run_dir, resume: bool = False, node=None, quiet: bool = False, started=None,
+          watch: RunWatch | None = None) -> int:
     """The RL phase and what follows it (final evaluations, checkpoints) on a uvloop loop; the actors' fork server
     stopped after. ``started(loop, coordinator)`` is called on the run's loop before it begins (``mutual_rl``
-    forwards a notebook's interrupt through it)."""
+    forwards a notebook's interrupt through it); ``watch`` hears each step and final."""
     import uvloop
 
     from engine.coordinator import Coordinator
 
-    coordinator = Coordinator(cfg, run_dir, resume=resume, node=node, quiet=quiet)
-    try:
-        return uvloop.run(_begun(coordinator, started))
-    finally:
-        # every actor has stopped: the fork server has no more work, and its own exit (a second of unloading
-        # torch) would hold the terminal's pipes open after ours
-        stop_actor_server()
+    return uvloop.run(_begun(Coordinator(cfg, run_dir, resume=resume, node=node, quiet=quiet, watch=watch), started))
 
 
 async def _begun(coordinator, started) -> int:
@@ -247,20 +264,32 @@ async def _begun(coordinator, started) -> int:
     return await coordinator.run()
 
 
+def run_config(cfg, run_dir, quiet: bool = True):
+    """One whole run in this process (benchmarks, checks), no fork server of its own: its exit code and its
+    ``engine.outcome.RunResult``, if it got that far."""
+    import msgspec
+    import uvloop
+
+    from engine.coordinator import Coordinator
+    from engine.outcome import RunResult
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = uvloop.run(Coordinator(cfg, run_dir, quiet=quiet).run())
+    path = run_dir / "run_result.json"
+    return code, msgspec.json.decode(path.read_bytes(), type=RunResult) if path.exists() else None
+
+
 # what may differ from the stopped run: the rest decides the training
 RESUMABLE = ("train.steps", "run.max_minutes", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard",
              "run.wandb", "run.report", "eval.", "timeouts.")
 
 
-def prepare_resume(run_dir, overrides: list[str]):
-    """The stopped run's config with the allowed changes, its markers turned into a ``resumed`` record: ready to
-    train again. A run that cannot resume is the one line that says why (a str), nothing changed."""
+def resume_config(run_dir, overrides: list[str]):
+    """The stopped run's config with the allowed changes (``overrides``, ``--set``'s form), before any process
+    starts; a run that cannot resume is the one line that says why (a str)."""
     if not (run_dir / "config.toml").is_file():  # before the imports of torch below: a typo answers at once
         return f"{run_dir}: not a run directory (no config.toml)"
     from engine.config import ConfigError, load_run_config
-    from engine.runtime.metrics import MetricsWriter
-    from engine.runtime.rundir import write_resolved_config
-    from engine.train import checkpoint
 
     try:
         for o in overrides:
@@ -268,15 +297,26 @@ def prepare_resume(run_dir, overrides: list[str]):
             if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE):
                 raise ConfigError(f"--set {key}: a resumed run keeps what it trained with; only "
                                   f"{', '.join(RESUMABLE)} may change")
-        cfg = load_run_config(str(run_dir / "config.toml"), overrides)
-        start_actor_server(cfg)
+        return load_run_config(str(run_dir / "config.toml"), overrides)
+    except (ConfigError, OSError) as exc:
+        return str(exc)
+
+
+def prepare_resume(run_dir, cfg, overrides: list[str]) -> str | None:
+    """The stopped run made ready to train again (the actors' fork server running): its pre-flight, its markers
+    turned into a ``resumed`` record, its config rewritten with the changes. A run that cannot resume is the one
+    line that says why (a str), nothing changed; None when it is ready."""
+    from engine.config import ConfigError
+    from engine.record.metrics import MetricsWriter
+    from engine.record.rundir import write_resolved_config
+    from engine.train import checkpoint
+
+    try:
         preflight(cfg, forked=True)
     except (ConfigError, OSError) as exc:
-        stop_actor_server()
         return str(exc)
     steps = {m: checkpoint.read_state(p)["step"] for m in cfg.names if (p := checkpoint.latest(run_dir, m))}
     if len(steps) == len(cfg.names) and min(steps.values()) >= cfg.train.steps:
-        stop_actor_server()
         return f"{run_dir}: every model has its {cfg.train.steps} steps; nothing to resume"
     before = {name.lower(): (run_dir / name).read_text().strip() for name in ("FAILED", "INTERRUPTED")
               if (run_dir / name).is_file()}
@@ -286,4 +326,4 @@ def prepare_resume(run_dir, overrides: list[str]):
     if overrides:
         write_resolved_config(cfg, run_dir)  # a later resume continues with these values
     print(f"resuming {run_dir}", flush=True)
-    return cfg
+    return None

@@ -100,7 +100,7 @@ def format_stats(stats: Stats) -> list[str]:
 
 async def _follow(endpoint: str, topics: list[str], count: int, timeout: float, show, curve=None) -> int:
     from exchange.security import KeyFileError
-    from exchange.transport import Subscriber
+    from exchange.subscriber import Subscriber
 
     try:
         sub = Subscriber(endpoint, topics, name="tap", lossless=False, curve=curve)

@@ -9,18 +9,32 @@ ZeroMQ hides reconnects, and that is mostly what we want. Two things must not st
 - A refusal of this client's CURVE key (ZAP said no): without it a wrong key looks like a hang.
   Other handshake failures may be passing (a broker restarting), and a wrong *broker* key leaves
   nothing to see (the broker cannot read our hello): its syncs time out.
+
+Also what every client of the broker shares (``exchange.publisher``, ``exchange.blocking_publisher``,
+``exchange.subscriber``): the tokens that pair a ``Sync`` or ``Subscribe`` with the broker's answer, and
+how often a client waiting on the broker looks for a refusal; and ``recv_multipart`` for any CURVE socket of the
+project's (the engine's plane and weight relay too).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import zmq
+import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from exchange.security import KeyRefused
 
+REFUSAL_CHECK_S = 0.2  # how often a CURVE client waiting on the broker looks for a refusal of its key
 _watch_ids = itertools.count()
+_tokens = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
+
+
+def next_token() -> int:
+    """A token for a ``Sync`` or ``Subscribe`` (one count for every client of this process, from a random start)."""
+    return next(_tokens)
 
 
 class LinkWatch:
@@ -58,3 +72,13 @@ class LinkWatch:
 
     def close(self) -> None:
         self._events.close(linger=0)
+
+
+async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = True) -> list:
+    """``sock.recv_multipart``, again when ZeroMQ said a message was ready and then had none: with CurveZMQ a
+    connection that goes away meanwhile (a refused or departed peer) does that, and it is no error of ours."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=copy)
+        except zmq.Again:
+            continue

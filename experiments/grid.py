@@ -35,7 +35,7 @@ from typing import Annotated
 import msgspec
 
 from engine.config import ConfigError, Origin, RunConfig, config_from_tree
-from engine.config.load import apply_override, convert, parse_override, read_toml
+from engine.config.load import apply_override, config_path, convert, parse_override, read_toml
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -81,6 +81,7 @@ class PlannedRun(msgspec.Struct, frozen=True):
 
 def load_grid(path: str | Path, out: str | None = None) -> Grid:
     """Read a grid file; ``out`` replaces its results directory. Errors name the file and the key."""
+    path = config_path(path)  # a path, or a shipped grid's name ("experiments/cpu")
     raw = read_toml(path, "experiment file")
     if out is not None:
         raw["out"] = out
@@ -107,7 +108,7 @@ def load_grid(path: str | Path, out: str | None = None) -> Grid:
 
 def plan(grid: Grid, check_machine: bool = True) -> list[PlannedRun]:
     """Every run of the grid with its resolved config; a bad cell is a ConfigError naming the run."""
-    base = read_toml(grid.base, "base config (the grid's `base`)")
+    base = read_toml(config_path(grid.base), "base config (the grid's `base`)")
     runs = []
     # Cell by cell (model set, then task), and within a cell seed by seed with every arm: a grid
     # stopped half-way leaves whole cells and whole seeds, whose arms compare pairwise.
@@ -123,7 +124,7 @@ def plan(grid: Grid, check_machine: bool = True) -> list[PlannedRun]:
                     for text in flags:
                         key, value = parse_override(text)
                         apply_override(tree, key, value, text)
-                        origin.overrides.append((key, text))
+                        origin.overrides.append((key, f"--set {text}"))
                     try:
                         cfg = config_from_tree(tree, origin, check_machine, quiet=True)
                     except ConfigError as exc:

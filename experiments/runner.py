@@ -19,12 +19,12 @@ from pathlib import Path
 import msgspec
 
 from engine.config.schema import cache_root
-from engine.runtime.rundir import config_toml
+from engine.record.rundir import config_toml
 from experiments.grid import Grid, PlannedRun
 from experiments.results import read_run
+from mutual_rl.runs import LAUNCH, launch_args
 from policies import sources
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
 
 
 def code_version(exclude: Path | None = None, root: Path | None = None) -> str:
@@ -174,7 +174,7 @@ def execute(runs: list[PlannedRun], out: Path) -> tuple[int, list[str]]:
             f.write(f"{run.id} {code_version(out)}\n")
         started = time.time()
         with open(out / "logs" / f"{run.id}.log", "wb") as log:
-            rc = subprocess.call([sys.executable, str(LAUNCH), "run", "--config", str(config), "--run-dir", str(path)],
+            rc = subprocess.call([sys.executable, str(LAUNCH), *launch_args(config=config, run_dir=path)],
                                  stdout=log, stderr=subprocess.STDOUT)
         if rc in (130, 143):
             raise KeyboardInterrupt

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from monitor.rundata import ReportError, RunData, read_run
 
-TRAIN_WINDOW_STEPS = 10  # the training cut spans the last steps, as the launcher's table (engine.runtime.truncation)
+TRAIN_WINDOW_STEPS = 10  # the training cut spans the last steps, as the launcher's table (engine.record.truncation)
 
 EXPLAIN = {
     "accuracy.png": "Held-out accuracy: the share of problems never trained on that the model solves, "

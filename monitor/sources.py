@@ -22,7 +22,7 @@ from pathlib import Path
 from exchange.log import ExperienceLogReader, LogCorrupt
 from exchange.protocol import Stats
 from exchange.security import ClientKeys, KeyFileError, KeyRefused
-from exchange.transport import Subscriber
+from exchange.subscriber import Subscriber
 from monitor.live import LiveState
 from monitor.rundata import before_rl
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tag(key: str) -> str:
-    """The TensorBoard tag of a key (engine.runtime.tbevents.scalar_tag): held-out accuracy under ``eval/``."""
+    """The TensorBoard tag of a key (engine.record.tbevents.scalar_tag): held-out accuracy under ``eval/``."""
     return f"eval/{key}" if "accuracy" in key and "/" not in key else key
 
 

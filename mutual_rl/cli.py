@@ -40,26 +40,26 @@ def _ray_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``launch.py run``: the config read with its ``--set`` changes, then ``Trainer(config).train()``; bad input
-    is one line on stderr and exit 2, nothing written."""
+    """``launch.py run``: the config read with its ``--set`` changes, then the run (``mutual_rl.runs.new_run``, as
+    ``Trainer.train`` runs it); bad input is one line on stderr and exit 2, nothing written."""
     from engine.config import load_run_config
-    from mutual_rl.trainer import Trainer
+    from mutual_rl.runs import new_run
 
     if args.ignore_memory_check:
         args.overrides = [*args.overrides, "run.memory_check=false"]  # as the config says it (config.toml keeps it)
     if args.ray:
         return _on_ray(args, "run")
-    return _on_this_machine(lambda node: Trainer(load_run_config(args.config, args.overrides),
-                                                 run_dir=args.run_dir).train(node=node).exit_code)
+    return _on_this_machine(lambda node: new_run(load_run_config(args.config, args.overrides), args.run_dir,
+                                                 node=node)[0])
 
 
 def resume_command(args: argparse.Namespace) -> int:
     """``launch.py resume RUN_DIR``: the same config, the same run directory, metrics appended."""
-    from mutual_rl.trainer import resume
+    from mutual_rl.runs import resumed_run
 
     if args.ray:
         return _on_ray(args, "resume")
-    return _on_this_machine(lambda node: resume(args.run_dir, overrides=args.overrides, node=node).exit_code)
+    return _on_this_machine(lambda node: resumed_run(args.run_dir, args.overrides, node=node)[0])
 
 
 def _on_this_machine(start) -> int:
@@ -78,41 +78,18 @@ def _on_this_machine(start) -> int:
         return 2
 
 
-def placed_run(config: str, run_dir: str | None, resume: str, overrides: list[str], resume_flag: str = ""):
-    """The config and absolute run directory of a run that a cluster engine (Ray, Slurm) is about to start:
-    ``resume`` names a stopped run (its own config.toml, with ``overrides``), otherwise ``config`` with
-    ``overrides`` into ``run_dir`` (default runs/<timestamp>), which must be new or empty. Bad input is a
-    ConfigError naming the argument (``resume_flag``, when it has one), raised before anything is reserved."""
-    import time
-    from pathlib import Path
-
-    from engine.config import ConfigError, load_run_config
-
-    if resume:
-        path = Path(resume).resolve()
-        if not (path / "config.toml").is_file():
-            raise ConfigError(f"{resume_flag}{resume}: not a run directory (no config.toml)")
-        return load_run_config(path / "config.toml", overrides), path
-    path = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"run directory {path} exists and is not empty; choose another (--run-dir)")
-    return load_run_config(config, overrides), path
-
-
 def _on_ray(args: argparse.Namespace, command: str) -> int:
     """``--ray``: the config checked here (one line, exit 2, nothing reserved), then a launcher on every node
     (``mutual_rl.ray_launch``), each given the same command with absolute paths."""
-    from pathlib import Path
-
     from engine.config import ConfigError
     from mutual_rl.ray_launch import RayPlacementError, run_on_ray
+    from mutual_rl.runs import launch_args, placed_run
 
-    sets = [a for o in args.overrides for a in ("--set", o)]
     resuming = args.run_dir if command == "resume" else ""
     try:
         cfg, run_dir = placed_run(getattr(args, "config", ""), args.run_dir, resuming, args.overrides)
-        launch = (["resume", str(run_dir), *sets] if resuming else
-                  ["run", "--config", str(Path(args.config).resolve()), "--run-dir", str(run_dir), *sets])
+        launch = launch_args(config=getattr(args, "config", None), run_dir=run_dir, resume=resuming,
+                             overrides=args.overrides)
         return run_on_ray(args.ray, args.ray_nodes, cfg, launch)
     except (ConfigError, RayPlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -122,7 +99,7 @@ def _on_ray(args: argparse.Namespace, command: str) -> int:
 def _node():
     """This launcher's torchrun node (None on one machine); a launch environment that cannot make a cluster is
     one line and exit 2."""
-    from engine.runtime.cluster import ClusterError
+    from engine.cluster.node import ClusterError
 
     try:
         return session.this_node()

@@ -67,13 +67,13 @@ class Inputs:
             reward = dict(tree.get("reward") or {})
             if self.funcs:
                 reward["funcs"] = self.funcs
-                said.append((["reward", "funcs"], "reward_funcs=..."))
+                said.append((["reward", "funcs"], "Trainer(reward_funcs=...)"))
             if self.weights is not None:
                 reward["weights"] = self.weights
-                said.append((["reward", "weights"], f"reward_weights={self.weights}"))
+                said.append((["reward", "weights"], f"Trainer(reward_weights={self.weights})"))
             if self.nan is not None:
                 reward["nan"] = self.nan
-                said.append((["reward", "nan"], f"reward_nan={self.nan!r}"))
+                said.append((["reward", "nan"], f"Trainer(reward_nan={self.nan!r})"))
             if callable(self.success):  # judged by a function of its own that pays nothing
                 from tasks.rewards import reward_name
 
@@ -81,14 +81,14 @@ class Inputs:
                 weights = list(reward.get("weights") or [1.0] * len(funcs))
                 reward.update(funcs=[*funcs, self.success_spec], weights=[*weights, 0.0],
                               success=reward_name(self.success))
-                said.append((["reward", "success"], "success=..."))
+                said.append((["reward", "success"], "Trainer(success=...)"))
             elif self.success is not None:
                 reward["success"] = self.success
-                said.append((["reward", "success"], f"success={self.success!r}"))
+                said.append((["reward", "success"], f"Trainer(success={self.success!r})"))
             tree["reward"] = reward
         if "train_dataset" not in self.datasets:
             return said
-        said.append((["task"], "train_dataset=..."))
+        said.append((["task"], "Trainer(train_dataset=...)"))
         given = sections.get("task") if isinstance(sections.get("task"), dict) else {}
         if given.get("kind", "dataset") != "dataset":
             raise ConfigError(f"Trainer(train_dataset=...): the task is the dataset, but task={given!r} names kind "
@@ -124,6 +124,15 @@ class Inputs:
     @property
     def any(self) -> bool:
         return bool(self.pickled or self.datasets)
+
+    def written(self, cfg, run_dir: Path):
+        """``cfg`` once the inputs are written into ``run_dir``: its paths name them there."""
+        import msgspec
+
+        from engine.config import Origin, config_from_tree
+
+        self.write(run_dir)
+        return config_from_tree(resolved(msgspec.to_builtins(cfg), run_dir), Origin("Trainer()"), quiet=True)
 
 
 def resolved(tree: Any, run_dir: Path) -> Any:

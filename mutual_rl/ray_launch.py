@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
+
+from mutual_rl.runs import LAUNCH
 
 FORWARDED = ("MUTUAL_RL_CACHE", "MUTUAL_RL_CLUSTER_KEYS", "MUTUAL_RL_CLUSTER_INSECURE", "PYTHONPATH", "XDG_CACHE_HOME")
-LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
 
 
 class RayPlacementError(RuntimeError):

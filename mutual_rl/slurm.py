@@ -1,5 +1,5 @@
 """``launch.py slurm``: a run on a Slurm allocation. The sbatch script starts one launcher per node with srun, in
-the environment torchrun would give it (``engine/runtime/cluster.py``: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``
+the environment torchrun would give it (``engine/cluster/node.py``: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``
 and ``MASTER_PORT``), so node 0's launcher is the coordinator and every other node's a node agent, exactly as
 under torchrun. ``--dry-run`` prints the script; otherwise it is written beside the run directory and
 submitted with ``sbatch``. The run directory and the cache must be on a filesystem every node mounts.
@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mutual_rl.runs import LAUNCH, launch_args
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +50,7 @@ class SlurmError(ValueError):
 
 def slurm_command(args: argparse.Namespace) -> int:
     from engine.config import ConfigError
-    from mutual_rl.cli import placed_run
+    from mutual_rl.runs import placed_run
 
     try:
         cfg, run_dir = placed_run(args.config, args.run_dir, args.resume, args.overrides, "--resume ")
@@ -91,10 +93,9 @@ def render(args: argparse.Namespace, cfg, run_dir: Path) -> str:
     lines += [f"#SBATCH --partition={args.partition}"] if args.partition else []
     lines += [f"#SBATCH --time={args.time}"] if args.time else []
     lines += [f"#SBATCH {a}" for a in args.sbatch_args]
-    launch = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch.py"),
-              *(["resume", str(run_dir)] if args.resume else
-                ["run", "--config", str(Path(args.config).resolve()), "--run-dir", str(run_dir)]),
-              *[a for o in args.overrides for a in ("--set", o)]]
+    launch = [sys.executable, str(LAUNCH), *launch_args(config=args.config, run_dir=run_dir,
+                                                        resume=run_dir if args.resume else None,
+                                                        overrides=args.overrides)]
     env = {"MUTUAL_RL_CACHE": str(_cache(cfg))}
     env |= {"MUTUAL_RL_CLUSTER_KEYS": str(Path(args.keys).resolve())} if args.keys else {}
     env |= {"MUTUAL_RL_CLUSTER_INSECURE": "1"} if args.insecure else {}

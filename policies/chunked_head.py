@@ -108,7 +108,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(d_logits.t(), h.float())
             if grad_bias is not None:
                 grad_bias += d_logits.sum(0)
-        cast = (lambda t, like: t.to(like.dtype) if t is not None else None)
+
+        def cast(t, like):
+            return t.to(like.dtype) if t is not None else None
+
         return grad_hidden, None if in_place else cast(grad_weight, weight), cast(grad_bias, bias), None
 
 

@@ -91,11 +91,11 @@ def aggregate(parts: list[tuple[Tensor, Tensor]], mode: Aggregation,
     """
     total = total or (lambda count: count)
     if mode == "token_mean":
-        loss = sum((torch.where(m > 0, l, torch.zeros_like(l)) * m).sum() for l, m in parts)
+        loss = sum((torch.where(m > 0, losses, torch.zeros_like(losses)) * m).sum() for losses, m in parts)
         tokens = total(torch.as_tensor(sum(m.sum() for _, m in parts), dtype=loss.dtype))
         return loss / torch.clamp(tokens, min=1.0)
     if mode == "seq_mean":
-        row_sums = [(torch.where(m > 0, l, torch.zeros_like(l)) * m).sum(dim=1) for l, m in parts]
+        row_sums = [(torch.where(m > 0, losses, torch.zeros_like(losses)) * m).sum(dim=1) for losses, m in parts]
         row_lens = [m.sum(dim=1) for _, m in parts]
         means = torch.cat([s / n.clamp(min=1.0) for s, n in zip(row_sums, row_lens)])  # a row's own length: exact
         rows = total(torch.cat([(n > 0).to(means.dtype) for n in row_lens]).sum())

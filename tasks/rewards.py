@@ -327,7 +327,9 @@ def where(func: Callable) -> str:
     """The file:line a function is defined at (a callable object's ``__call__``; "?" for a builtin)."""
     target = inspect.unwrap(func)
     target = getattr(target, "func", target)  # functools.partial
-    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "__call__", None), "__code__", None)
+    # the class's __call__ for its code, not a test of callability (B004)
+    code = (getattr(target, "__code__", None)
+            or getattr(getattr(type(target), "__call__", None), "__code__", None))  # noqa: B004
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?"
 
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from engine.config import load_run_config
-from engine.runtime.metrics import MetricsWriter
-from engine.runtime.rundir import write_resolved_config
+from engine.record.metrics import MetricsWriter
+from engine.record.rundir import write_resolved_config
 from exchange.codec import Encoder
 from exchange.log import ExperienceLogWriter
 from exchange.protocol import SCHEMA_VERSION, Experience, pack_floats, pack_ids

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bandit as bench
-from policies.bandit import (
+from benchmarks.bandit_model import (
     Bandit,
     Hyper,
     analyse,

@@ -26,8 +26,8 @@ from raycluster import ray_cluster, raylet_of
 from raycluster import why_not as ray_why_not
 from test_engine_cluster import _killed
 
-from engine.runtime.cluster import KEY_NAME, KEYS
-from engine.runtime.rundir import free_port
+from engine.cluster.node import KEY_NAME, KEYS
+from engine.record.rundir import free_port
 from exchange.security import make_keys
 
 # One after the other on one xdist worker: two Ray clusters at once would find (and kill) each other's processes.

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from engine.runtime.cluster import (KEY_NAME, ClusterError, client_keys, curve_server, from_env, interface_toward,
+from engine.cluster.node import (KEY_NAME, ClusterError, client_keys, curve_server, from_env, interface_toward,
                                     node_of)
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from engine.weights.channel import WeightReader
 from engine.weights.relay import Relay, RelayWriter, WeightsHub
 from exchange.security import make_keys

@@ -177,8 +177,11 @@ def test_every_stats_window_counts_once():
     cfg = config(decision_interval_s=1.0, ewma_halflife_s=4.0, min_busy_s=1.0)
     a = split(BALANCED)
     w = next(w for w, rm in a.items() if rm == (GEN, "a"))
-    mk = lambda t, rate: Stats(schema=SCHEMA_VERSION, worker_id=w, role=GEN, model="a", time=t, window_s=2.0,
-                               samples_per_s=rate, idle_frac=0.5)
+
+    def mk(t, rate):
+        return Stats(schema=SCHEMA_VERSION, worker_id=w, role=GEN, model="a", time=t, window_s=2.0,
+                     samples_per_s=rate, idle_frac=0.5)
+
     view = view_from_stats([mk(99.0, 2.0), mk(100.0, 6.0)], a, 100.0, cfg)
     p = view.pools[pool_key(GEN, "a")]
     assert (p.reporting, p.done, p.busy_s, p.window_s) == (1, 16.0, 2.0, 4.0)
@@ -210,8 +213,11 @@ def test_a_seldom_busy_pool_adds_up_its_busy_time_across_calls():
     a = split(BALANCED)
     key = pool_key(LRN, "b")
     w = next(w for w, rm in a.items() if rm == (LRN, "b"))
-    mk = lambda t, rate: Stats(schema=SCHEMA_VERSION, worker_id=w, role=LRN, model="b", time=t, window_s=1.0,
-                               consumed_per_s=rate, idle_frac=0.9)  # 0.1 s busy a window
+
+    def mk(t, rate):
+        return Stats(schema=SCHEMA_VERSION, worker_id=w, role=LRN, model="b", time=t, window_s=1.0,
+                     consumed_per_s=rate, idle_frac=0.9)  # 0.1 s busy a window
+
     state = ControllerState()
     for t in range(100, 119):  # 19 windows: 1.9 s busy, short of 2 s
         state = decide(view_from_stats([mk(float(t), 0.4 if t % 2 else 0.8)], a, float(t), cfg), state, cfg).new_state

@@ -20,9 +20,9 @@ from enginerun import ROOT, Run
 from poolsetup import script, static_pool
 from test_engine_pool import _bits_exact
 
-from engine.runtime.cluster import KEY_NAME, KEYS
+from engine.cluster.node import KEY_NAME, KEYS
 from exchange.security import make_keys
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from exchange.log import ExperienceLogReader
 
 pytestmark = pytest.mark.slow

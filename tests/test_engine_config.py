@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, config_from_tree, default_cache_root, load_run_config
-from engine.config.load import read_tree
-from engine.runtime.rundir import write_resolved_config
+from engine.config.load import config_path, read_tree
+from engine.record.rundir import write_resolved_config
 from tests.monitorrun import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +25,19 @@ def test_shipped_configs_load_and_round_trip(tmp_path):
         assert len(cfg.models) == 2
         write_resolved_config(cfg, tmp_path)
         assert load_run_config(tmp_path / "config.toml") == cfg
+
+
+def test_a_shipped_config_is_reached_by_name_from_any_folder_and_a_real_path_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a user's own folder: no configs/ in it
+    for name in ("smoke", "smoke.toml", "configs/smoke.toml"):
+        assert load_run_config(name, ["train.steps=3"]) == load_run_config(SMOKE, ["train.steps=3"])
+    assert config_path("experiments/cpu") == ROOT / "configs/experiments/cpu.toml"  # an experiment grid's name
+    Path("smoke.toml").write_text(SMOKE.read_text().replace('name = "smoke"', 'name = "mine"', 1))
+    assert load_run_config("smoke.toml").run.name == "mine" != load_run_config("smoke").run.name
+    with pytest.raises(ConfigError) as err:
+        load_run_config("smoek")
+    assert str(err.value) == ("smoek: config file not found (or a shipped one's name: default, pool, smoke, smollm2, "
+                              "two_families)")
 
 
 def test_overrides_reach_nested_and_list_fields():
@@ -230,7 +243,7 @@ def test_launch_refuses_lora_it_cannot_apply_before_the_warm_start(tmp_path, lor
 
 @pytest.mark.slow  # heavy for the fast tier (docs/testing.md)
 def test_launch_refuses_an_sglang_url_where_nothing_answers_or_the_dtype_is_not_the_models(tmp_path):
-    from engine.runtime.rundir import free_port
+    from engine.record.rundir import free_port
     from policies.backend import HFBackend
     from policies.models import build_policy
     from sglang_standin import StandIn

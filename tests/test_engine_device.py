@@ -21,7 +21,7 @@ import torch
 
 from engine.config import ConfigError, load_run_config
 from engine.roles.worker import worker_device
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from policies.logprobs import completion_logprobs, model_device, pack

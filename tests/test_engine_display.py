@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.config import load_run_config
 from engine.prep.prepare import PrepResult
-from engine.runtime.display import LiveDisplay, print_summary
+from engine.record.display import LiveDisplay, print_summary
 from engine.runtime.plane import LearnerFinal, StepReport
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw
@@ -159,7 +159,8 @@ def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) ->
         for n, g in want.items():
             # float32 sums in another order: ~1e-6 apart on elements near zero (seen on some CPUs), where
             # the old scaling's error is 1e-2 of the whole gradient (asserted below)
-            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=2e-6, msg=lambda m, n=n: f"{name} {n}: {m}")
+            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=2e-6,
+                                       msg=lambda m, n=n, name=name: f"{name} {n}: {m}")
         assert _relative_error(got, want) < 1e-5 and figures["grad_norm"] > 0, name
         if name == "sgt":
             rescued = [r[name]["figures"]["obj/rescue_set_size"] for r in ranks]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample
 from engine.train.step import train_share

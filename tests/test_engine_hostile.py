@@ -22,7 +22,7 @@ import zmq
 from exchange.codec import Encoder
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Stats, pack_floats, pack_ids
-from exchange.transport import Subscriber
+from exchange.subscriber import Subscriber
 from tests.enginerun import Run
 
 STEPS, G = 8, 8  # smoke.toml: G = 8

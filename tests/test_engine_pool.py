@@ -88,7 +88,7 @@ def test_role_switches_release_before_they_acquire(tmp_path, engine_cache):
         ("w4", "generator", "gpt2", "learner", "llama")])
     module = switches["w4", "learner", "llama", "generator", "gpt2"]["held_bytes_after_acquire"]
     near = lambda a, b: abs(a - b) <= 64  # noqa: E731  a generator's weights may be a view of a channel slot
-    for (w, _, old, _, new), r in switches.items():
+    for (_, _, old, _, new), r in switches.items():
         assert r["held_bytes_before"] > 0 and r["released_alive"] == 0, r
         assert r["held_bytes_after_acquire"] > r["held_bytes_after_release"], r
         if old == new:  # only the module stays, without its gradients

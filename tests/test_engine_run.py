@@ -19,7 +19,7 @@ import pytest
 import torch
 from enginerun import ROOT, Run
 
-from engine.runtime.rundir import disk_usage
+from engine.record.rundir import disk_usage
 from exchange.log import ExperienceLogReader
 from monitor.rundata import ReportError, read_run
 
@@ -169,7 +169,7 @@ def test_a_signal_in_the_rl_phase_stops_with_checkpoints_and_an_honest_run_dir(t
     assert run.finish() == code, run.out[-3000:]
     finals = {r["model"]: r for r in run.events("final")}
     assert set(finals) == {"gpt2", "llama"} and all(f["stopped_early"] for f in finals.values())
-    for model, final in finals.items():  # the printed summary has what metrics.jsonl has
+    for final in finals.values():  # the printed summary has what metrics.jsonl has
         assert f"{final['accuracy'] * 100:.1f}% ±" in run.out and str(final["peer_used"]) in run.out
     interrupted = (run.run_dir / "INTERRUPTED").read_text()
     assert signal.Signals(sig).name in interrupted and "during the run" in interrupted and "gpt2 at step" in interrupted

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.runtime.rundir import SOCK_DIR_PREFIX, make_sock_dir
+from engine.record.rundir import SOCK_DIR_PREFIX, make_sock_dir
 from engine.weights.channel import WeightReader, WeightSyncError, WeightWriter
 from engine.weights.places import OWNER, channel_root
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from exchange.blocking_publisher import BlockingPublisher
 from exchange.broker import BrokerConfig, spawn_broker
 from exchange.log import ExperienceLogReader
 from exchange.protocol import SCHEMA_VERSION, Control, Experience, Stats
+from exchange.publisher import Publisher
 from exchange.samples import make_experience
-from exchange.transport import BlockingPublisher, Publisher, Subscriber
+from exchange.subscriber import Subscriber
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ from exchange.broker import BrokerConfig, spawn_broker
 from exchange.codec import Encoder
 from exchange.protocol import SCHEMA_VERSION, Control, Experience, Stats, Subscribed
 from exchange.samples import make_experience
-from exchange.transport import Subscriber
+from exchange.subscriber import Subscriber
 
 CAP = 64 * 1024  # size cap for both the broker and the subscriber under test
 ARRAY_MARKERS = {*range(0x90, 0xA0), 0xDC, 0xDD}

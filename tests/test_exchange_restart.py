@@ -13,11 +13,13 @@ import signal
 
 import pytest
 
+from exchange.blocking_publisher import BlockingPublisher
 from exchange.broker import BrokerConfig, spawn_broker
 from exchange.log import ExperienceLogReader, ExperienceLogWriter
 from exchange.protocol import Experience, Stats
+from exchange.publisher import Publisher
 from exchange.samples import make_experience
-from exchange.transport import BlockingPublisher, Publisher, Subscriber
+from exchange.subscriber import Subscriber
 
 pytestmark = pytest.mark.timeout(120)
 

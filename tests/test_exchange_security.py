@@ -13,11 +13,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from exchange.blocking_publisher import BlockingPublisher
 from exchange.broker import BrokerConfig, ConfigError, spawn_broker
 from exchange.protocol import Experience
+from exchange.publisher import Publisher
 from exchange.samples import make_experience
 from exchange.security import ClientKeys, KeyRefused, make_keys
-from exchange.transport import BlockingPublisher, Publisher, Subscriber
+from exchange.subscriber import Subscriber
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)

@@ -159,7 +159,7 @@ def test_a_finished_run_counts_while_its_config_is_the_one_planned(tmp_path):
 
     import msgspec
 
-    from engine.runtime.rundir import config_toml
+    from engine.record.rundir import config_toml
     from experiments.runner import changed
 
     run = plan(load_grid(ROOT / "configs/experiments/cpu.toml"))[0]
@@ -184,7 +184,7 @@ def test_a_finished_run_from_a_gguf_file_counts_as_the_file_it_was_converted_fro
     or a ``pkg:`` source this machine lacks, and another machine's cache folder holds the conversion elsewhere."""
     import msgspec
 
-    from engine.runtime.rundir import config_toml
+    from engine.record.rundir import config_toml
     from experiments.runner import changed
     from policies import sources
 

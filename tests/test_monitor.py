@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from exchange.blocking_publisher import BlockingPublisher
 from exchange.broker import BrokerConfig, spawn_broker
-from exchange.codec import Encoder
 from exchange.log import ExperienceLogReader
 from exchange.protocol import SCHEMA_VERSION, Control, Stats
-from exchange.transport import BlockingPublisher
 from monitor.live import LiveState
 from monitor.sources import Attached, read_records, replay
 from monitor.story import Storyteller
@@ -146,6 +145,7 @@ def test_a_cluster_run_with_keys_is_watched_with_the_key_files_its_endpoints_nam
     """A cluster's exchange is CurveZMQ (MUTUAL_RL_CLUSTER_KEYS): endpoints.json names the key files, the
     monitor taps with them; with a stranger's key (--curve-secret) it says so in one sentence."""
     from engine.runtime import actors
+    from engine.cluster.node import client_keys, tcp
     from engine.runtime.hub import start_hub, stop_broker
     from exchange.security import make_keys
     from monitor.sources import endpoint_of
@@ -160,7 +160,8 @@ def test_a_cluster_run_with_keys_is_watched_with_the_key_files_its_endpoints_nam
     async def main():
         hub_dir = tmp_path / "hub" / sent[0].run_id  # the broker takes its own run's experiences only
         hub_dir.mkdir(parents=True)
-        hub = await start_hub(hub_dir, tmp_path, ["stats"], "coordinator", 30, "127.0.0.1", str(tmp_path / "keys"))
+        hub = await start_hub(hub_dir, tmp_path, ["stats"], "coordinator", 30, (tcp("127.0.0.1"), tcp("127.0.0.1")),
+                              client_keys(str(tmp_path / "keys")))
         try:
             (run_dir / "endpoints.json").write_text(json.dumps(hub.endpoints()))
             endpoint, keys = endpoint_of(run_dir)

@@ -95,7 +95,7 @@ def ref_loss(b: ObjectiveBatch, cfg, chosen_peer: dict[int, int] | None = None) 
         loss = loss + cfg.kl_coef * ref_aggregate(kl_rows, cfg.aggregation)
     if kind == "sgt" and chosen_peer:
         nlls = []
-        for q, j in chosen_peer.items():
+        for j in chosen_peer.values():
             toks = [-b.peer_logp[j, t] for t in range(T2) if b.peer_mask[j, t] > 0]
             nll = sum(toks, torch.zeros((), dtype=DT))
             nlls.append(nll / len(toks) if cfg.nll_norm == "token_mean" else nll)

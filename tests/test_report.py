@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from engine.config import load_run_config
-from engine.runtime.metrics import MetricsWriter
-from engine.runtime.rundir import write_resolved_config
+from engine.record.metrics import MetricsWriter
+from engine.record.rundir import write_resolved_config
 from monitor.report import ReportError, write_report
 from tests.enginerun import ROOT
 

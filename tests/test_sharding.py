@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
 from engine.train.optim import adamw

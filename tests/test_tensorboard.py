@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.runtime.tbevents import EventWriter
+from engine.record.tbevents import EventWriter
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

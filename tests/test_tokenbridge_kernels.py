@@ -1,5 +1,5 @@
-"""THL compiled fast path (`kernels.py`): the inputs it makes risky, each checked against the tokenizers'
-own encode/decode: token bytes on either side of what a record holds inline, ids given as arrays of
+"""THL compiled fast path (`fastspell.py`, `fastalign.py`): the inputs it makes risky, each checked against the
+tokenizers' own encode/decode: token bytes on either side of what a record holds inline, ids given as arrays of
 any integer type (checked inside the compiled loop, cached under one key), empty texts."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tokenbridge import (
     LengthMismatchError,
     load_tokenizer,
 )
-from tokenbridge.kernels import INLINE_BYTES
+from tokenbridge.fastspell import INLINE_BYTES
 
 PAIRS = list(itertools.product(BUILTIN_NAMES, repeat=2))
 EOS = {"gpt2": 50256, "mistral": 2, "qwen2": 151643}
@@ -121,10 +121,11 @@ def test_sentencepiece_marker_alone_is_empty_text(toks, dst):
 
 FRESH_PROCESS = """
 import sys, numpy as np
-from tokenbridge import Bridge, kernels, load_tokenizer
+from tokenbridge import Bridge, fastalign, fastspell, load_tokenizer
 gpt2, mistral = load_tokenizer("gpt2", sys.argv[1]), load_tokenizer("mistral", sys.argv[1])
 bridge = Bridge(gpt2, mistral, cache_size=0)
-dispatchers = {name: f for name, f in vars(kernels).items() if hasattr(f, "signatures")}
+dispatchers = {name: f for kernels in (fastspell, fastalign) for name, f in vars(kernels).items()
+               if hasattr(f, "signatures")}
 before = {name: set(f.signatures) for name, f in dispatchers.items()}
 ids = gpt2.encode("warm, all the way") + [50256]
 for dtype, lp_dtype in ((np.int64, np.float64), (np.int32, np.float32)):
@@ -152,7 +153,7 @@ def test_destination_shift_is_0_1_or_neither_by_the_bytes_of_the_first_token(tok
     none (shift 0), and against " Hallo" it spells neither (-1: the offsets path)."""
     from array import array
 
-    from tokenbridge import kernels
+    from tokenbridge import fastalign, fastspell
     from tokenbridge.profile import profile_of
 
     gpt2, mistral = profile_of(toks["gpt2"]), profile_of(toks["mistral"])
@@ -160,9 +161,9 @@ def test_destination_shift_is_0_1_or_neither_by_the_bytes_of_the_first_token(tok
     assert toks["mistral"].convert_ids_to_tokens(hello) == ["\u2581Hello"]
     for text, shift in (("Hello", 1), (" Hello", 0), (" Hallo", -1)):
         src = np.array(encode(toks["gpt2"], text), dtype=np.int64)
-        _, _, _, raw, bounds = kernels.spell_one(src, gpt2.record, gpt2.inline, gpt2.blob, False)
-        got, ok, _, m, g_count, ints, _ = kernels.align_one(array("I", hello), 0, 2, mistral.record, mistral.inline,
-                                                          mistral.blob, True, raw, bounds)
+        _, _, _, raw, bounds = fastspell.spell_one(src, gpt2.record, gpt2.inline, gpt2.blob, False)
+        got, ok, _, m, g_count, ints, _ = fastalign.align_one(array("I", hello), 0, 2, mistral.record, mistral.inline,
+                                                            mistral.blob, True, raw, bounds)
         assert got == shift and bool(ok) == (shift >= 0)
         if shift >= 0:  # ints: dst_ids (m) | dst_group (m) | src_group (n) | src_at | dst_at | chars (G+1 each)
             src_at = ints[2 * m + len(src) :][: g_count + 1]
@@ -176,8 +177,8 @@ if sys.argv[2] == "absent":
     sys.modules["numba"] = None  # import numba now fails, as where the GPU check's wheelhouse leaves it out
 import numpy as np
 from tokenbridge import Bridge, load_tokenizer
-from tokenbridge import kernels
-assert hasattr(kernels.spell, "signatures") == (sys.argv[2] == "present")
+from tokenbridge import fastspell
+assert hasattr(fastspell.spell, "signatures") == (sys.argv[2] == "present")
 names = ("gpt2", "mistral", "qwen2")
 toks = {n: load_tokenizer(n, sys.argv[1]) for n in names}
 texts = [" 12 + 34 = 46", "Hello, world: naïve café ☕ 你好", "  two  spaces\\tand a tab", "x"]

@@ -10,9 +10,9 @@ import pytest
 
 from engine.config import load_run_config
 from engine.prep.prepare import PrepResult, _cached_eval
-from engine.runtime.metrics import MetricsWriter
+from engine.record.metrics import MetricsWriter
 from engine.runtime.plane import LearnerFinal, StepReport
-from engine.runtime.truncation import TRAIN_WINDOW_STEPS, CutWatch
+from engine.record.truncation import TRAIN_WINDOW_STEPS, CutWatch
 from monitor.report import TRAIN_WINDOW_STEPS as REPORT_WINDOW
 from policies.models import build_policy
 from tasks.registry import make_task

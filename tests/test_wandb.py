@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.runtime.metrics import MetricsWriter
-from engine.runtime.tbevents import scalar_tag
+from engine.record.metrics import MetricsWriter
+from engine.record.tbevents import scalar_tag
+from monitor import wandb_sink
 from tests.enginerun import ROOT
 from tests.monitorrun import write_run
 
 wandb = pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2 as pb
-
-from monitor import wandb_sink
+from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402  skips the module without wandb first
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +70,7 @@ def history(records: list) -> list[dict]:
 
 
 def expected_rows(run_dir: Path) -> list[dict]:
-    """What the learner gives TensorBoard (engine.roles.learner, engine.runtime.tbevents), as <model>/<tag> on the
+    """What the learner gives TensorBoard (engine.roles.learner, engine.record.tbevents), as <model>/<tag> on the
     model's step: the warm-start accuracy, every number of a step record (not flags), the final accuracy."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():

@@ -205,7 +205,7 @@ def test_evaluation_says_where_it_is(capsys) -> None:
     evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,
              progress=EvalProgress("gpt2 final (held-out)", every_s=0))
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [l for l in lines if l.startswith("eval gpt2 final (held-out): ")] and len(lines) == 3
+    assert lines == [line for line in lines if line.startswith("eval gpt2 final (held-out): ")] and len(lines) == 3
     assert "16/40 problems, accuracy so far 0.000" in lines[0] and "left" in lines[0]
     assert re.fullmatch(r"eval gpt2 final \(held-out\): 40/40 problems, accuracy 0\.000, \d+s", lines[2]), lines
     evaluate(backend, tokenizer, "gpt2", task, num_problems=40, batch_size=16, max_new_tokens=2,

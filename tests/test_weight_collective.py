@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from gloo_ranks import spawn_ranks
 from engine.weights.collective import WeightSyncError, manifest, plan, receive, send
 

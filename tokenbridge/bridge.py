@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from tokenbridge import kernels
+from tokenbridge import fastalign, warmup
 from tokenbridge.align import Groups
 from tokenbridge.checks import checked_ids, checked_logprobs, checked_mask, nonfinite_logprobs
 from tokenbridge.errors import BridgeError, UndecodableTextError, UnsupportedTokenizerError
@@ -105,7 +105,7 @@ class Bridge:
         self.stats = BridgeStats()
         self._cache: OrderedDict[bytes, Aligned] = OrderedDict()
         self._encoders = None if self.identity else encoders_for(dst_tokenizer.backend_tokenizer, self.dst)
-        kernels.compile_all()
+        warmup.compile_all()
 
     def __call__(self, src_ids, logprobs=None, mask=None) -> BridgedCompletion:
         """Bridge one completion: src_ids (n,) ints; logprobs (n,) floats or None; mask (n,) bools (or 0/1) or None.
@@ -267,7 +267,7 @@ class Bridge:
             if lp.dtype != np.float64 and lp.dtype != np.float32:
                 lp = lp.astype(np.float64)  # as np.bincount would read them
             # a NaN or infinite log-prob, or finite ones that overflow together, make their group sum non-finite
-            bad, dst_lp, dst_mask = kernels.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
+            bad, dst_lp, dst_mask = fastalign.spread(span.src_group, span.dst_group, aligned.n_dst_per_group, lp)
             if bad >= 0:
                 group_sum = np.bincount(span.src_group, weights=lp, minlength=n_groups)  # the kernel's sums, again
                 raise nonfinite_logprobs(lp, group_sum, span.groups.src)

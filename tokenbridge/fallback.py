@@ -1,6 +1,7 @@
 """The slow paths of a bridge, one completion at a time, for texts the fast path cannot take.
 
-The fast path (`kernels.py`) needs the destination's token bytes to spell the text. When they do not:
+The fast path (`fastspell.py`, `fastalign.py`) needs the destination's token bytes to spell the text. When they
+do not:
 
 - the destination normalises to one Unicode form (Qwen2: NFC) and the text is not in that form:
   map the separable positions into the normalised text and align there (`_align_normalized`);

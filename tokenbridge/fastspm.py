@@ -119,7 +119,7 @@ def _rank_table(model: dict, token_bytes: tuple[bytes, ...]) -> tuple[dict[bytes
     for raw, token_id in sorted(chars.items(), key=lambda item: item[1]):
         if len(raw) > 1:
             add(raw, token_id)
-    for piece, token_id in sorted(pieces.items(), key=lambda item: first_merge[item[0]]):
+    for _, token_id in sorted(pieces.items(), key=lambda item: first_merge[item[0]]):
         if token_bytes[token_id] in ranks:
             return None
         add(token_bytes[token_id], token_id)

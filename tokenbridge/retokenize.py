@@ -8,9 +8,9 @@
   literal special-token strings kept as text (`encode_special_tokens`), no truncation, no padding.
 - Completions are retokenized a batch at a time: one batch encode without offsets, then, for every
   completion whose destination token bytes spell its text exactly (after at most SentencePiece's one
-  dummy-prefix space), one batch alignment by cumulative byte lengths (`kernels.py`). The others (a
-  normalizer changed characters, e.g. Qwen2's NFC on a non-NFC text) take `fallback.py`, whose
-  results are exact too.
+  dummy-prefix space), one batch alignment by cumulative byte lengths (`fastspell.py`, `fastalign.py`).
+  The others (a normalizer changed characters, e.g. Qwen2's NFC on a non-NFC text) take `fallback.py`,
+  whose results are exact too.
 - A failure belongs to its completion: it is returned in that completion's place, never raised.
 """
 
@@ -33,7 +33,7 @@ from tokenbridge.errors import (
     UndecodableTextError,
 )
 from tokenbridge.fallback import slow_span, with_eos
-from tokenbridge import kernels
+from tokenbridge import fastalign, fastspell
 from tokenbridge.encoders import Encoders
 from tokenbridge.profile import SPECIAL, VocabProfile
 
@@ -143,10 +143,11 @@ def retokenize_many(
 
 
 def _spelled_runs(src: VocabProfile, runs: list[np.ndarray]) -> tuple:
-    """`kernels.spell` of validated id runs laid end to end: (any_flags, raw, bounds, byte_firsts, drop, src_firsts)."""
+    """`fastspell.spell` of validated id runs laid end to end: (any_flags, raw, bounds, byte_firsts, drop,
+    src_firsts)."""
     firsts = np.array(list(accumulate(map(len, runs), initial=0)), dtype=np.int64)
     ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
-    bad, any_flags, raw, bounds, byte_firsts, drop = kernels.spell(
+    bad, any_flags, raw, bounds, byte_firsts, drop = fastspell.spell(
         ids, firsts, src.record, src.inline, src.blob, src.strips_leading_space
     )
     if bad >= 0:
@@ -207,7 +208,7 @@ def _fast(
         flat.fromlist(ids)  # five times faster than extend, or than numpy, from a list of ints
         dst_firsts.append(len(flat))
     n_end = np.array([source.n_end for source in sources], dtype=np.int64)
-    out = kernels.align_batch(
+    out = fastalign.align_batch(
         flat, np.array(dst_firsts, dtype=np.int64), n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record,
         dst.inline, dst.blob, dst.strips_leading_space, raw, byte_firsts, bounds, src_firsts,
     )

@@ -3,8 +3,8 @@
 Why a second front end: at a few hundred tokens a call costs about as much in Python bookkeeping as
 in the work itself, and the batch front end's bookkeeping (per-completion lists, dicts, loops over K)
 is pure overhead for one text. This one keeps only what a single completion needs and runs the same
-compiled loops (`kernels.py`) as a batch, so both front ends give identical results: one call before
-the destination encode (`spell_one`: checks the ids, spells the text) and one after it. Anything off
+compiled loops (`fastspell.py`, `fastalign.py`) as a batch, so both front ends give identical results: one
+call before the destination encode (`spell_one`: checks the ids, spells the text) and one after it. Anything off
 the fast path (no exact destination table, tokens that do not spell the text) takes the same
 `fallback.py` route as in a batch.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenbridge import kernels
+from tokenbridge import fastalign, fastspell
 from tokenbridge.align import Groups, SpanAlignment
 from tokenbridge.checks import checked_ids
 from tokenbridge.encoders import Encoders
@@ -39,7 +39,9 @@ class SpelledOne:
 
 def spell_one(src: VocabProfile, ids: np.ndarray) -> SpelledOne:
     """Spell 1-D int32/int64 ids; raises `InvalidTokenIdError` (via `checked_ids`) for an id outside the vocabulary."""
-    bad, any_flags, drop, raw, bounds = kernels.spell_one(ids, src.record, src.inline, src.blob, src.strips_leading_space)
+    bad, any_flags, drop, raw, bounds = fastspell.spell_one(
+        ids, src.record, src.inline, src.blob, src.strips_leading_space
+    )
     if bad >= 0:
         checked_ids(src, ids)  # raises, naming the position and the value as given
     return SpelledOne(raw, bounds, drop, any_flags)
@@ -62,7 +64,7 @@ def align_one(
     if dst.exact:
         dst_flat = array("I")
         dst_flat.fromlist(dst_list)  # faster than array("I", dst_list)
-        shift, ok, inexact, m, g_count, ints, n_dst = kernels.align_one(
+        shift, ok, inexact, m, g_count, ints, n_dst = fastalign.align_one(
             dst_flat, n_end, 0 if dst_eos_id is None else dst_eos_id, dst.record, dst.inline, dst.blob,
             dst.strips_leading_space, spelled.raw, spelled.bounds,
         )
@@ -74,7 +76,7 @@ def align_one(
 
 
 def _unpacked(text: str, ints: np.ndarray, n_dst: np.ndarray, m: int, n: int, g1: int, inexact: int, n_end: int) -> Aligned:
-    """The `Aligned` of `kernels.align_one`'s packed arrays: read-only views (shared with the cache), made
+    """The `Aligned` of `fastalign.align_one`'s packed arrays: read-only views (shared with the cache), made
     read-only once, on the buffer, so every view is."""
     ints.setflags(write=False)
     n_dst.setflags(write=False)

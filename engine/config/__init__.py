@@ -29,7 +29,7 @@ def config_from_tree(tree: dict, origin: Origin, check_machine: bool = True, qui
         dropped = switch(tree, origin)
         if dropped and not quiet:
             kind = tree[section]["kind"]
-            print(f"note: --set {section}.kind={kind}: ignoring {origin.file}'s {section} {', '.join(dropped)} "
+            print(f"note: {origin.of(section + '.kind')}: ignoring {origin.file}'s {section} {', '.join(dropped)} "
                   f"(not a {kind} setting)", file=sys.stderr)
     if (said := _pretrained_length(tree)) and not quiet:
         print(said, file=sys.stderr)

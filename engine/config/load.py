@@ -26,18 +26,19 @@ class ConfigError(ValueError):
 
 
 class Origin:
-    """Where each key of a config tree came from: the file, or a ``--set`` flag."""
+    """Where each key of a config tree came from: the file, or what changed it, labelled in the words the user
+    wrote it in (``--set train.lr=x`` on the command line, ``Trainer(train={'lr': 'x'})`` from Python)."""
 
     def __init__(self, path: str | Path, overrides: list[tuple[list[str], str]] = ()):
         self.file = str(path)
-        self.overrides = list(overrides)  # (key path, the flag's text)
+        self.overrides = list(overrides)  # (key path, its label)
 
     def of(self, key: str) -> str:
-        """``--set train.lr=x`` if a flag set ``key`` (or a table holding it), else the file's path."""
+        """The label of what set ``key`` (or a table holding it) last, else the file's path."""
         parts = key.split(".")
-        for path, text in reversed(self.overrides):
+        for path, label in reversed(self.overrides):
             if parts[: len(path)] == path or path[: len(parts)] == parts:
-                return f"--set {text}"
+                return label
         return self.file
 
     def error(self, key: str, message: str) -> ConfigError:
@@ -79,24 +80,52 @@ def apply_override(tree: dict, path: list[str], value: Any, flag: str) -> None:
             raise ConfigError(f"--set {flag}: {'.'.join(path[:depth])} is a value, not a table")
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "configs"  # the project's configs (an editable install reads them here)
+
+
+def shipped_configs(folder: str = "") -> list[str]:
+    """The names of the run configs that ship with the project (``smoke``, ...); ``folder="experiments"``: the
+    experiment grids' (``experiments/cpu``, ...)."""
+    return sorted(str(p.relative_to(SHIPPED).with_suffix("")) for p in (SHIPPED / folder).glob("*.toml"))
+
+
+def config_path(path: str | Path) -> Path:
+    """A config's file: ``path`` where it exists, else the shipped config it names, so that a script in the user's
+    own folder reaches them: ``"smoke"``, ``"smoke.toml"`` or ``"configs/smoke.toml"`` (the docs' and the
+    checkout's spelling) all name ``configs/smoke.toml`` of the installed project. A path that exists always wins."""
+    given = Path(path)
+    if given.exists() or given.is_absolute():
+        return given
+    name = given.with_suffix(".toml") if given.suffix != ".toml" else given
+    for candidate in (SHIPPED / name, SHIPPED.parent / name):  # "smoke" / "experiments/cpu"; "configs/smoke.toml"
+        if candidate.is_file():
+            return candidate
+    return given
+
+
 def read_toml(path: str | Path, what: str = "config file") -> dict:
-    """A TOML file as a dict; a missing file or bad TOML is one ConfigError naming the path."""
+    """A TOML file as a dict; a missing file or bad TOML is one ConfigError naming the path (for a config, with the
+    names of the shipped ones)."""
     try:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found") from None
+        folder = {"config file": "", "experiment file": "experiments"}.get(what)
+        known = f" (or a shipped one's name: {', '.join(shipped_configs(folder))})" if folder is not None else ""
+        raise ConfigError(f"{path}: {what} not found{known}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 
 def read_tree(path: str | Path, overrides: list[str] = ()) -> tuple[dict, Origin]:
-    """A TOML file as a dict with ``--set`` overrides applied (not yet typed), and where each key came from."""
+    """A TOML file (or a shipped config's name: ``config_path``) as a dict with ``--set`` overrides applied (not yet
+    typed), and where each key came from."""
+    path = config_path(path)
     tree = read_toml(path)
     applied = []
     for text in overrides:
         key_path, value = parse_override(text)
         apply_override(tree, key_path, value, text)
-        applied.append((key_path, text))
+        applied.append((key_path, f"--set {text}"))
     return tree, Origin(path, applied)
 
 

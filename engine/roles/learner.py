@@ -36,7 +36,7 @@ from engine.prep.evaluation import held_out_accuracy
 from policies.templates import prompt_format
 from engine.roles.learner_core import LearnerCore, Pending
 from engine.roles.memory import trim_heap
-from engine.runtime.failures import SHARDS_LOST
+from engine.failures import SHARDS_LOST
 from engine.runtime.plane import (REWARD_FAILED, GroupBroken, GroupFormed, GroupSpec, LearnerFinal, StepDone,
                                   StepReport)
 from engine.train import checkpoint
@@ -128,7 +128,7 @@ async def _serve(core: LearnerCore, group: GroupSpec, rank: int) -> str:
         return outcome
     except dp.GroupError as exc:
         why = str(exc).split(". ")[0][:240]  # gloo appends advice and an emoji
-        if core.twin is not None:  # a dead rank's shards are gone: engine.runtime.failures restarts the group
+        if core.twin is not None:  # a dead rank's shards are gone: engine.failures restarts the group
             core.twin.abandon()
             core.twin, core.lost = None, True
         if core.lost:

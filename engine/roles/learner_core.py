@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from engine.config import model_spec
-from engine.runtime.metrics import MetricsWriter
-from engine.runtime.tbevents import EventWriter
+from engine.record.metrics import MetricsWriter
+from engine.record.tbevents import EventWriter
 from engine.train import checkpoint
 from engine.train import group as dp
 from engine.train.ingest import Ingest
@@ -27,7 +27,7 @@ from engine.train.sharding import ShardedTwin
 from engine.weights.ends import weight_writer
 from exchange.log import ExperienceLogReader
 from exchange.protocol import Experience
-from exchange.transport import Subscriber
+from exchange.subscriber import Subscriber
 from policies.models import build_policy, pad_token_id
 from policies.objectives import peer_need
 

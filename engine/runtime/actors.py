@@ -127,7 +127,7 @@ def _watch_parent(parent_pid: int, launcher_pid: int | None) -> None:
         # death is watched too. Leave at once, with its socket folders (nobody else is left to remove them)
         if os.getppid() != parent_pid or (launcher_pid is not None and not _running(launcher_pid)):
             if launcher_pid is not None:
-                from engine.runtime.rundir import remove_sock_dirs
+                from engine.record.rundir import remove_sock_dirs
 
                 remove_sock_dirs(launcher_pid)
             os._exit(3)
@@ -220,7 +220,7 @@ class Actor:
 
     @property
     def local(self) -> bool:
-        """A process of this machine (not one a cluster's node agent runs for us: ``engine.runtime.nodes``)."""
+        """A process of this machine (not one a cluster's node agent runs for us: ``engine.cluster.links``)."""
         return isinstance(self.process, mp.process.BaseProcess)
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import msgspec
 
 from engine.runtime import actors
-from engine.runtime.cluster import KEY_NAME, client_keys, tcp
-from exchange.broker import Broker, BrokerConfig
+from exchange.broker_config import BrokerConfig
+from exchange.broker_loop import Broker
 from exchange.protocol import SCHEMA_VERSION, Control
+from exchange.publisher import Publisher
 from exchange.security import ClientKeys
-from exchange.transport import Publisher, Subscriber
+from exchange.subscriber import Subscriber
 
 
 def broker_entry(payload: bytes) -> int:
@@ -70,19 +71,17 @@ async def restart_broker(hub: Hub, timeout_s: float) -> actors.Actor:
 
 
 async def start_hub(run_dir: Path, sock_dir: Path, topics: list[str], name: str, timeout_s: float,
-                    host: str | None = None, keys: str = "") -> Hub:
-    """Spawn the broker and wait until the coordinator's own subscription is live; on ``host`` over tcp
-    (a cluster's node 0; CurveZMQ with the cluster's ``keys``), else on ipc endpoints in ``sock_dir``."""
-    if host is None:
-        broker_in, broker_out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
-    else:
-        broker_in, broker_out = tcp(host), tcp(host)
+                    ends: tuple[str, str] | None = None, curve: ClientKeys | None = None) -> Hub:
+    """Spawn the broker and wait until the coordinator's own subscription is live; on the tcp ``ends`` given
+    (in, out: a cluster's node 0, ``engine.cluster.node.tcp``; CurveZMQ with the cluster's key pair ``curve``,
+    the broker's own too), else on ipc endpoints in ``sock_dir``."""
+    broker_in, broker_out = ends or (f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out")
     config = BrokerConfig(frontend=broker_in, backend=broker_out, log_dir=str(run_dir / "experience_log"),
-                          name="broker", run_id=run_dir.name, allow_remote=host is not None,
-                          allow_plaintext=host is not None and not keys,  # cluster.from_env refused it unless private
-                          curve_secret_key=f"{keys}/{KEY_NAME}.key_secret" if keys else None,
-                          curve_allowed_dir=keys or None)
-    actor, curve = spawn_broker(config), client_keys(keys)
+                          name="broker", run_id=run_dir.name, allow_remote=ends is not None,
+                          allow_plaintext=ends is not None and curve is None,  # cluster.from_env refused it unless private
+                          curve_secret_key=curve.secret_file if curve else None,
+                          curve_allowed_dir=str(Path(curve.secret_file).parent) if curve else None)
+    actor = spawn_broker(config)
     pub = Publisher(broker_in, curve=curve)
     sub = Subscriber(broker_out, topics, name=name, lossless=False, curve=curve)
     await sub.ready(timeout=timeout_s)

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from exchange.link import recv_multipart
 from exchange.protocol import Assign
 from exchange.security import ClientKeys, apply_client
 from tasks.base import Problem
@@ -200,7 +201,7 @@ class BrokerBack(_Msg, tag="broker"):
     restarts: int
 
 
-# node agent (a launcher on node r > 0 of a cluster, engine.runtime.node_agent) <-> coordinator
+# node agent (a launcher on node r > 0 of a cluster, engine.cluster.agent) <-> coordinator
 class NodeHello(_Msg, tag="nhello"):
     """A node's launcher is connected: ``address`` is where the node's workers are reached from the others."""
 
@@ -258,23 +259,13 @@ ToWorker = Union[Order, Regroup, Work, PeersGone, Halt, BrokerBack]
 ToNode = Union[Spawn, Signal, NodeBeat, NodeStop]
 
 
-async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = True) -> list:
-    """``sock.recv_multipart``, again when ZeroMQ said a message was ready and then had none: with CurveZMQ a
-    connection that goes away meanwhile (a refused or departed peer) does that, and it is no error of ours."""
-    while True:
-        try:
-            return await sock.recv_multipart(copy=copy)
-        except zmq.Again:
-            continue
-
-
 class CoordinatorPlane:
     """ROUTER side: ``recv() -> (worker_id, message)``, ``send(worker_id, message)``."""
 
     def __init__(self, endpoint: str, curve=None):
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if curve is not None:  # a cluster's CurveServer (engine.runtime.cluster)
+        if curve is not None:  # a cluster's CurveServer (engine.cluster.node)
             curve.apply(self._sock)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://HOST:* -> the port taken

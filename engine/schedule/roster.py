@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 
 from engine.runtime.plane import GroupSpec, Order, Regroup
-from engine.runtime.rundir import free_port
+from engine.record.rundir import free_port
 from exchange.protocol import SCHEMA_VERSION, Assign
 
 RoleOf = tuple[str, str]

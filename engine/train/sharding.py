@@ -166,7 +166,7 @@ class ShardedTwin:
     - ``close``: the moments, whole, back into the leader's own state (a collective, at the
       formation's end); the next formation's ``sync_state`` sends that state to every rank.
       A formation that broke cannot do it: a dead rank's shards are gone
-      (``engine.runtime.failures`` then takes the model out of the run).
+      (``engine.failures`` then takes the model out of the run).
     Re-sharding whole tensors and gathering them back moves bits without arithmetic: the
     leader's state after ``close`` is the state the twin held, bit for bit (tests/test_sharding.py).
     """

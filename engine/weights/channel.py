@@ -218,7 +218,7 @@ class WeightReader:
         """Switch to the version the head names if it is not the one held; returns the version held.
 
         Versions only grow, except when a model's learner is restarted from a checkpoint
-        (``engine.runtime.failures``): its head then names an older version, which is loaded too."""
+        (``engine.failures``): its head then names an older version, which is loaded too."""
         s = self.slots
         for _ in range(MAX_RETRIES):
             version, slot = s.head() if s.dir.is_dir() else (0, -1)

@@ -26,8 +26,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from engine.runtime.plane import recv_multipart
 from engine.weights.channel import RawWriter, WeightWriter, one_dtype, sync_params
+from exchange.link import recv_multipart
 from exchange.security import ClientKeys, apply_client
 
 

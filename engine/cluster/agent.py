@@ -1,4 +1,4 @@
-"""A node agent: the launcher on node r > 0 of a cluster (``engine.runtime.cluster``).
+"""A node agent: the launcher on node r > 0 of a cluster (``engine.cluster.node``).
 
 It runs no part of the job itself. It connects to the coordinator's plane as ``node<r>``,
 spawns the actors the coordinator places here (``Spawn``), says when one exits
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from engine.runtime import actors
-from engine.runtime.cluster import HEARTBEAT_S, MARKER, ClusterPlan, Node, address_toward, client_keys
+from engine.cluster.node import HEARTBEAT_S, MARKER, ClusterPlan, Node, address_toward, client_keys
 from engine.runtime.plane import ActorExited, NodeBeat, NodeDone, NodeHello, NodeStop, Signal, Spawn, ToNode, WorkerPlane
 from engine.weights.places import channel_root
 from engine.weights.relay import Relay

@@ -38,7 +38,7 @@ import sys
 from engine.runtime.hub import restart_broker
 from engine.runtime.memory import MemoryWatch, lower_it
 from engine.runtime.plane import BrokerBack, GroupBroken
-from engine.runtime.rundir import write_pids
+from engine.record.rundir import write_pids
 from engine.train import checkpoint
 
 SHARDS_LOST = "sharded state lost"  # how a broken fsdp2 formation's GroupBroken reason begins (roles.learner)

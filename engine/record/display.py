@@ -2,7 +2,7 @@
 
 On a terminal the lines redraw in place (rich); otherwise (CI, a log file) the same
 lines are printed every ``plain_every_s`` seconds. The display sees every step report, so it
-keeps the watch on completions cut at max_new_tokens (``engine.runtime.truncation``): its
+keeps the watch on completions cut at max_new_tokens (``engine.record.truncation``): its
 ``cut`` figure, and the warning when more than a fifth are cut.
 """
 
@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from engine.runtime.truncation import TRAIN_WINDOW_STEPS, CutWatch, eval_length_key
+from engine.record.truncation import TRAIN_WINDOW_STEPS, CutWatch, eval_length_key
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -95,7 +95,7 @@ class LiveDisplay:
 
 def print_summary(cfg, preps, finals: dict, train_cut: dict | None = None) -> None:
     """Held-out accuracy before and after RL per model; ``finals`` maps a model to its LearnerFinal, ``train_cut``
-    to the share of its training samples cut over its last steps (``engine.runtime.truncation``)."""
+    to the share of its training samples cut over its last steps (``engine.record.truncation``)."""
     table = Table(title=f"mutual RL summary (objective: {cfg.objective.kind})", caption=_cut_caption(cfg))
     for col in ("model", "warm-start acc", "after RL acc", "change (SE)", "cut (eval)", "cut (train)", "steps",
                 "samples trained", "peer exp. used"):

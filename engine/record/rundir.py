@@ -20,12 +20,19 @@ import msgspec
 from engine.weights.places import OWNER, remove_dead_owners
 
 
-def make_run_dir(requested: str | None) -> Path:
-    """``runs/<timestamp>`` by default; an existing non-empty directory is refused, never overwritten."""
+def run_dir_for(requested: str | os.PathLike | None) -> Path:
+    """Where a new run writes: ``requested``, or ``runs/<timestamp>`` by default; an existing non-empty directory
+    is refused (FileExistsError), never overwritten. Nothing is created."""
     path = Path(requested) if requested else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"run directory {path} exists and is not empty; choose another (--run-dir, "
                               "Trainer(run_dir=...))")
+    return path
+
+
+def make_run_dir(requested: str | os.PathLike | None) -> Path:
+    """``run_dir_for(requested)``, created."""
+    path = run_dir_for(requested)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

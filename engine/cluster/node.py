@@ -3,7 +3,7 @@
     torchrun --nnodes N --nproc-per-node 1 --node-rank R --rdzv-endpoint HOST0:PORT launch.py run --config F
 
 Node 0's launcher is the coordinator (``engine.coordinator``): warm starts, the exchange, the
-weight hub, MWRA. Every other node's launcher is a node agent (``engine.runtime.node_agent``):
+weight hub, MWRA. Every other node's launcher is a node agent (``engine.cluster.agent``):
 it spawns and stops the workers the coordinator places on its node and keeps its node's weight
 channels fresh. torch.distributed (the launchers' own gloo group, formed from torchrun's
 environment) is used once, to hand every node the plan: where node 0 listens. The rest is the
@@ -154,6 +154,6 @@ def node_of(worker_index: int, workers: int, nodes: int) -> tuple[int, int]:
 
 def tcp(host: str) -> str:
     """A fresh tcp endpoint on ``host`` (a port free now)."""
-    from engine.runtime.rundir import free_port
+    from engine.record.rundir import free_port
 
     return f"tcp://{'[' + host + ']' if ':' in host else host}:{free_port(host)}"

@@ -1,7 +1,7 @@
 """The coordinator's side of a cluster: the other nodes' launchers, and the actors they run for it.
 
 A worker on node r > 0 is an ``Actor`` like any other, whose process is a ``RemoteProcess``:
-its node agent (``engine.runtime.node_agent``) spawned it, says when it exits, and signals it
+its node agent (``engine.cluster.agent``) spawned it, says when it exits, and signals it
 when asked, so the failure policy, the halt and the audit treat it as they treat a local one.
 Both sides beat every ``HEARTBEAT_S``; a node silent for ``timeouts.node_silent_s`` ends the run (its workers
 went with it, and no node is started again in a run).
@@ -16,7 +16,7 @@ import threading
 import time
 
 from engine.runtime import actors
-from engine.runtime.cluster import (HEARTBEAT_S, MARKER, NODE_WAIT_S, ClusterError, ClusterPlan, Node,
+from engine.cluster.node import (HEARTBEAT_S, MARKER, NODE_WAIT_S, ClusterError, ClusterPlan, Node,
                                     client_keys, share_plan)
 from engine.runtime.plane import (ActorExited, CoordinatorPlane, NodeBeat, NodeDone, NodeHello, NodeStop, Signal,
                                   Spawn)

@@ -1,0 +1,1 @@
+"""What a run writes and shows: ``rundir``, ``metrics``, ``tbevents`` (TensorBoard), ``display``, ``truncation``."""
