@@ -28,6 +28,7 @@ import tomllib
 from pathlib import Path
 
 import tomli_w
+from exchange.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ TARGET = 1.5
 
 
 def rl_phase_seconds(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir).records
     start = min(r["time"] for r in records if r.get("event") == "start")
     end = max(r["time"] for r in records if r.get("event") == "step")
     return end - start

@@ -49,7 +49,6 @@ printed is the JSON; docs/guides/memory.md reads it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 from benchmarks import emit
 from benchmarks.memory_parts import child_main, in_child, measure_runtime
 from benchmarks.smaps import EVERY_S, MIB, PARTS, RunRoles, Sample, TreeMemory
+from exchange.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,10 +165,7 @@ def run_tree(tree: dict, workdir: Path, run_dir: Path | None = None) -> tuple[li
     tracker = TreeMemory(proc.pid, RunRoles(run_dir, proc.pid, [m["name"] for m in tree["models"]]))
     code = proc.wait()
     samples = tracker.stop()
-    metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    records = [json.loads(line) for line in lines if line.strip()]
-    return samples, records, code
+    return samples, read_records(run_dir).records, code
 
 
 def held_components(role: str, parts: dict, checkpoint: float) -> dict[str, float]:

@@ -29,13 +29,14 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from exchange.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR = 0.95
 
 
 def run_records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_records(run_dir).records
 
 
 def samples_per_s(records: list[dict]) -> float:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from exchange.records import read_records
 
 MOVES = [(3, "w0", "learner", "gpt2"), (3, "w1", "generator", "gpt2"), (6, "w0", "generator", "llama"),
          (9, "w0", "learner", "llama"), (12, "w0", "generator", "llama")]
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is None:
             print(json.dumps({"ok": False, "exit_code": code}))
             return 1
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_records(run_dir).records
     out = summarize(records, result, args.device)
     out["wall_s"] = round(time.time() - started, 1)  # warm start (cached after the first run) + the pool run
     print(json.dumps(out))

@@ -24,7 +24,7 @@ import torch
 from engine.config import load_run_config, tokenizer_cache
 from engine.roles.learner_core import LearnerCore
 from engine.roles.worker import Worker, WorkerPlan
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from policies.models import build_policy, save_policy
 from tokenbridge import load_tokenizer
 

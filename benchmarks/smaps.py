@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from exchange.records import read_records
 
 MIB = 2**20
 PARTS = ("libraries", "inherited", "channel", "checkpoint", "files", "private")
@@ -97,16 +98,9 @@ class RunRoles:
         self._offset = 0
 
     def update(self) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-            done = data.rfind(b"\n") + 1  # a line being written now is read next time
-            self._offset += done
-            for line in data[:done].splitlines():
-                if line.strip():
-                    self.apply(json.loads(line))
+        records, _, self._offset = read_records(self.run_dir, self._offset, growing=True)
+        for record in records:
+            self.apply(record)
         try:
             self.actors = {pid: name for name, pid in json.loads((self.run_dir / "pids.json").read_text()).items()}
         except (OSError, ValueError):

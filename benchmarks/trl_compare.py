@@ -66,6 +66,7 @@ from benchmarks import emit
 import tomli_w
 
 from benchmarks.trl_side import missing_trl
+from exchange.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 PSS_EVERY = 5  # samples between PSS readings
@@ -165,7 +166,7 @@ def run_project(config: Path, workdir: Path) -> dict:
     run_dir = workdir / "project-run"
     sampler = _run([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(config), "--run-dir",
                     str(run_dir)], "this project's run")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_records(run_dir).records
     model = tomllib.loads(config.read_text())["models"][0]["name"]
     mine = [r for r in records if r.get("model") == model]
     final = next(r for r in mine if r.get("event") == "final")

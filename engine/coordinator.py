@@ -37,7 +37,7 @@ from engine.cluster.node import ClusterError, Node, client_keys, curve_server, n
 from engine.record.display import LiveDisplay
 from engine.failures import FailurePolicy, RunFailed
 from engine.runtime.hub import start_hub
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.cluster.links import start_cluster
 from engine.runtime.plane import (CoordinatorPlane, GroupBroken, GroupFormed, HandBack, Hello, LearnerFinal,
                                   PeersGone, RewardFailed, StepDone, UnitDone, WantWork, Work)

@@ -307,7 +307,7 @@ def prepare_resume(run_dir, cfg, overrides: list[str]) -> str | None:
     turned into a ``resumed`` record, its config rewritten with the changes. A run that cannot resume is the one
     line that says why (a str), nothing changed; None when it is ready."""
     from engine.config import ConfigError
-    from engine.record.metrics import MetricsWriter
+    from exchange.records import MetricsWriter
     from engine.record.rundir import write_resolved_config
     from engine.train import checkpoint
 

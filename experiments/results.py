@@ -1,4 +1,4 @@
-"""What a finished run says, as rows: one per (run, model), from its metrics.jsonl and run_result.json.
+"""What a finished run says, as rows: one per (run, model), from its records (``exchange.records``) and run_result.json.
 
 Every figure of results.md is computed from these rows (results.csv), never from the runs.
 """
@@ -9,6 +9,9 @@ import csv
 import json
 from pathlib import Path
 from statistics import fmean
+
+from exchange.records import read_records
+from exchange.records import steps as step_records
 
 # Per-step objective figures averaged over a run's steps: (column, metrics key).
 STEP_MEANS = [
@@ -26,8 +29,7 @@ COLUMNS = ["task", "model_set", "arm", "seed", "model", "acc_before", "se_before
 
 
 def records(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_records(run_dir).records
 
 
 def read_run(run_dir: Path, run) -> list[dict]:
@@ -37,7 +39,7 @@ def read_run(run_dir: Path, run) -> list[dict]:
     rows = []
     for model in run.config.names:
         final = next(r for r in recs if r.get("model") == model and r.get("event") == "final")
-        steps = [r for r in recs if r.get("model") == model and r.get("event") == "step"]
+        steps = step_records(recs, model)
         row = dict(task=run.task, model_set=run.model_set, arm=run.arm, seed=run.seed, model=model,
                    acc_before=final["warm_accuracy"], se_before=final["warm_accuracy_stderr"],
                    acc_after=final["accuracy"], se_after=final["accuracy_stderr"],

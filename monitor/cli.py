@@ -91,7 +91,7 @@ async def _monitor(args: argparse.Namespace) -> int:
         endpoint, keys = endpoint_of(run_dir)
         attached = Attached(endpoint, run_dir, curve_keys(args, "monitor") or keys)
         await attached.ready(args.attach_timeout)
-        tasks = [asyncio.create_task(attached.feed(state)), asyncio.create_task(tail_metrics(state, run_dir / "metrics.jsonl"))]
+        tasks = [asyncio.create_task(attached.feed(state)), asyncio.create_task(tail_metrics(state, run_dir))]
     else:
         state.mode = "replay"
         experiences = read_experiences(run_dir)  # a damaged log fails now, before anything is served

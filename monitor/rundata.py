@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exchange.records import METRICS, has_records, read_records
+
 
 class ReportError(Exception):
     """A run directory that cannot be reported on; the message names the path and why."""
@@ -41,7 +43,7 @@ def before_rl(path: Path) -> str | None:
     """What a run directory holds when its run never reached RL (a stop or a failure in the warm start, or a warm
     start still going), as one sentence; None for any other directory. The launcher made it (config.toml), but
     metrics.jsonl and endpoints.json come with RL: without this it would read as "not a run directory"."""
-    if not (path / "config.toml").is_file() or (path / "metrics.jsonl").exists() or (path / "endpoints.json").exists():
+    if not (path / "config.toml").is_file() or has_records(path) or (path / "endpoints.json").exists():
         return None
     for marker in ("INTERRUPTED", "FAILED"):
         if (path / marker).is_file():
@@ -52,25 +54,18 @@ def before_rl(path: Path) -> str | None:
 
 def read_run(path: str | Path) -> RunData:
     path = Path(path)
-    metrics = path / "metrics.jsonl"
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
     if said := before_rl(path):
         raise ReportError(said)
-    if not metrics.is_file():
-        raise ReportError(f"{path}: not a run directory (no metrics.jsonl)")
+    if not has_records(path):
+        raise ReportError(f"{path}: not a run directory (no {METRICS})")
     config = _config(path)
     models = [m.get("name", "?") for m in config.get("models", [])]
     run = RunData(name=path.name, path=path, objective=config.get("objective", {}).get("kind", "?"), models=models)
-    for line in metrics.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            run.skipped_lines += 1
-            continue
-        if not isinstance(rec, dict):
-            run.skipped_lines += 1
-            continue
+    found = read_records(path)
+    run.skipped_lines = found.skipped
+    for rec in found.records:
         _take(run, rec)
     if not any(run.steps.values()):
         raise ReportError(f"{path}: metrics.jsonl holds no learner step yet")

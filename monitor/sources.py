@@ -21,6 +21,7 @@ from pathlib import Path
 
 from exchange.log import ExperienceLogReader, LogCorrupt
 from exchange.protocol import Stats
+from exchange.records import has_records, read_records
 from exchange.security import ClientKeys, KeyFileError, KeyRefused
 from exchange.subscriber import Subscriber
 from monitor.live import LiveState
@@ -44,7 +45,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise MonitorError(f"{run_dir}: no such run directory")
     if said := before_rl(run_dir):
         raise MonitorError(said)
-    if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "endpoints.json").is_file():
+    if not has_records(run_dir) and not (run_dir / "endpoints.json").is_file():
         raise MonitorError(f"{run_dir}: not a run directory (neither metrics.jsonl nor endpoints.json)")
 
 
@@ -86,32 +87,12 @@ def read_experiences(run_dir: Path) -> list:
                            "`launch.py report`") from None
 
 
-def read_records(path: Path, state: LiveState, offset: int = 0) -> tuple[list[dict], int]:
-    """Whole lines of metrics.jsonl from ``offset``; a line being written stays for the next read. Torn lines
-    count in ``state.skipped_lines`` (a LiveState, or any object with that counter)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            state.skipped_lines += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records, offset + end
-
-
 async def replay(state: LiveState, run_dir: Path, speed: float, experiences: list | None = None) -> None:
     """Feed the run's experiences and records in time order, ``speed`` times as fast as they happened."""
     experiences = read_experiences(run_dir) if experiences is None else experiences
-    records, _ = read_records(run_dir / "metrics.jsonl", state)
+    found = read_records(run_dir)
+    state.skipped_lines += found.skipped
+    records = found.records
     events = heapq.merge(((e.generated_at, 0, i, e) for i, e in enumerate(experiences)),
                          ((r.get("time", 0.0), 1, i, r) for i, r in enumerate(records)
                           if isinstance(r.get("time"), (int, float))))
@@ -131,10 +112,12 @@ async def replay(state: LiveState, run_dir: Path, speed: float, experiences: lis
     state.replay_done = True
 
 
-async def tail_metrics(state: LiveState, path: Path, poll_s: float = 0.5) -> None:
+async def tail_metrics(state: LiveState, run_dir: Path, poll_s: float = 0.5) -> None:
+    """The run's records as they are written (``exchange.records``), each into ``state``."""
     offset = 0
     while True:
-        records, offset = read_records(path, state, offset)
+        records, skipped, offset = read_records(run_dir, offset, growing=True)
+        state.skipped_lines += skipped
         for rec in records:
             state.record(rec)
         await asyncio.sleep(poll_s)

@@ -25,9 +25,8 @@ import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
-from monitor.sources import read_records
+from exchange.records import read_records
 
 INSTALL = "pip install -e '.[wandb]'"
 FINISH_S = 60.0  # how long the launcher waits for the W&B run to finish after the training run ended
@@ -69,11 +68,11 @@ def export(run_dir: Path, mode: str, ended: Callable[[], bool], poll_s: float = 
         run = wandb.init(dir=str(run_dir), mode=mode, project=os.environ.get("WANDB_PROJECT", "mutual-rl"),
                          name=run_dir.resolve().name, group=config.get("run", {}).get("name"), config=config,
                          settings=settings)  # run.name groups the runs of one config (seeds, resumes)
-        counter, offset, models = SimpleNamespace(skipped_lines=0), 0, set()
+        offset, models = 0, set()
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C on `monitor --wandb`: finish what was logged
             while True:
                 last = ended()
-                records, offset = read_records(run_dir / "metrics.jsonl", counter, offset)
+                records, _, offset = read_records(run_dir, offset, growing=True)
                 for rec in records:
                     if (values := row(rec)) is None:
                         continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import shutil
 import signal
 import threading
@@ -184,22 +183,19 @@ def _run_beside_the_loop(run: Callable[..., int]) -> int:
 
 def read_result(run_dir: Path) -> TrainResult:
     """The run's figures from its run directory, as the run left them."""
+    from exchange.records import finals, read_records, starts
+
     run_dir = run_dir.resolve()
-    finals: dict[str, dict] = {}
-    starts: dict[str, dict] = {}
-    path = run_dir / "metrics.jsonl"
-    for record in (json.loads(line) for line in path.read_text().splitlines()) if path.exists() else ():
-        if record.get("event") == "final":
-            finals[record["model"]] = record
-        elif record.get("event") == "start" and "model" in record:
-            starts.setdefault(record["model"], record)
+    records = read_records(run_dir).records
+    ended, began = finals(records), starts(records)
     models = {}
-    for name in sorted(set(finals) | set(starts)):
-        final, start = finals.get(name, {}), starts.get(name, {})
+    for name in sorted(set(ended) | set(began)):
+        final, start = ended.get(name), began.get(name)
         models[name] = ModelResult(
-            accuracy_before=start.get("warm_accuracy"), stderr_before=start.get("warm_accuracy_stderr"),
-            accuracy_after=final.get("accuracy"), stderr_after=final.get("accuracy_stderr"),
-            eval_n=final.get("eval_n"), steps=int(final.get("step", 0)), samples=int(final.get("own_experiences", 0)))
+            accuracy_before=start and start.warm_accuracy, stderr_before=start and start.warm_accuracy_stderr,
+            accuracy_after=final and final.accuracy, stderr_after=final and final.accuracy_stderr,
+            eval_n=final and final.eval_n, steps=final.step if final else 0,
+            samples=final.own_experiences if final else 0)
     failed = run_dir / "FAILED"
     status = "failed" if failed.exists() else "interrupted" if (run_dir / "INTERRUPTED").exists() else "finished"
     report = run_dir / "report.md"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from engine.config import load_run_config
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.record.rundir import write_resolved_config
 from exchange.codec import Encoder
 from exchange.log import ExperienceLogWriter

@@ -18,7 +18,7 @@ import torch
 from engine.config import load_run_config, tokenizer_cache
 from engine.roles.memory import device_bytes, held_bytes, release
 from engine.roles.worker import Worker, WorkerPlan
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.train.optim import adamw
 
 

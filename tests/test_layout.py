@@ -110,3 +110,20 @@ def test_ruff_finds_nothing():
     done = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", str(ROOT)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_only_exchange_records_names_the_runs_records_file():
+    """metrics.jsonl is written and read through ``exchange.records`` alone: no other module of the packages or the
+    benchmarks builds the file's path (a string that is the name or a path ending in it; messages may name it)."""
+    naming = []
+    for path in [*_modules().values(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
+        if path == ROOT / "exchange" / "records.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        naming += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                   and isinstance(n.value, str) and n.value.split("/")[-1] == "metrics.jsonl" and " " not in n.value
+                   and id(n) not in docstrings]
+    assert not naming, naming

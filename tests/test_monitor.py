@@ -17,7 +17,8 @@ from exchange.broker import BrokerConfig, spawn_broker
 from exchange.log import ExperienceLogReader
 from exchange.protocol import SCHEMA_VERSION, Control, Stats
 from monitor.live import LiveState
-from monitor.sources import Attached, read_records, replay
+from exchange.records import read_records
+from monitor.sources import Attached, replay
 from monitor.story import Storyteller
 from tests.enginerun import ROOT
 from tests.monitorrun import T0, experience, write_run
@@ -128,7 +129,7 @@ def test_attaches_to_a_running_broker_and_counts_what_it_sees(tmp_path):
         asyncio.run(watch())
         assert state.received == len(sent) == 48 and state.missed == 0
         assert state.broker["accepted"] >= 48
-        for rec in read_records(run_dir / "metrics.jsonl", state)[0]:
+        for rec in read_records(run_dir).records:
             state.record(rec)
         assert len(state.snapshot()["edges"]) == 2
     finally:

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import load_run_config
 from engine.prep.prepare import PrepResult, _cached_eval
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.runtime.plane import LearnerFinal, StepReport
 from engine.record.truncation import TRAIN_WINDOW_STEPS, CutWatch
 from monitor.report import TRAIN_WINDOW_STEPS as REPORT_WINDOW

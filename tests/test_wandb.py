@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.record.tbevents import scalar_tag
 from monitor import wandb_sink
 from tests.enginerun import ROOT

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.config import model_spec
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.record.tbevents import EventWriter
 from engine.train import checkpoint
 from engine.train import group as dp

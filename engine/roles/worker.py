@@ -30,7 +30,7 @@ from engine.config import ModelConfig, RunConfig, model_spec, run_task, tokenize
 from engine.roles import generator, learner, learner_core
 from engine.roles.plan import WorkerPlan
 from engine.roles.memory import Policy, RoleSwitch, device_bytes, held_bytes, process_rss, release, still_alive
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.train import group as dp
 from engine.runtime.plane import (BrokerBack, GroupSpec, Halt, HandBack, Hello, Order, PeersGone, Regroup, Work,
                                   WorkerPlane, WorkUnit)

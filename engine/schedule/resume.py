@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import sys
 
-from engine.record.metrics import MetricsWriter
+from exchange.records import MetricsWriter
 from engine.train import checkpoint
 from exchange.log import ExperienceLogReader
 
