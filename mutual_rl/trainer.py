@@ -113,11 +113,15 @@ def make_config(config: str | Path | dict | RunConfig | None, sections: dict[str
             raise ConfigError(said)
         if isinstance(value, msgspec.Struct):
             value = msgspec.to_builtins(value)
+        label = f"Trainer({key}={value!r})"
         if isinstance(value, dict) and isinstance(tree.get(key), dict):
             tree[key] = {**tree[key], **copy.deepcopy(value)}
+            # the keys given are the argument's, the rest still the config's: a kind switched here drops the
+            # config's fields of the other kind, as --set does (engine.config._switch_objective)
+            applied += [([key, k], label) for k in value]
         else:
             tree[key] = copy.deepcopy(value)
-        applied.append(([key], f"Trainer({key}={value!r})"))
+            applied.append(([key], label))
     if inputs is not None:
         applied += inputs.apply(tree, sections)
     return config_from_tree(tree, Origin(where, applied))

@@ -304,6 +304,18 @@ def test_a_callback_that_raises_is_one_line_and_stops_the_run_or_not_as_chosen(c
         Trainer(SMOKE, callback_errors="loud")
 
 
+def test_a_typed_config_takes_sections_by_keyword_and_a_kind_switched_there_drops_the_other_kinds_fields(capsys):
+    from mutual_rl import ModelConfig, RunConfig, TrainSection
+
+    typed = RunConfig(models=[ModelConfig(name="a", arch="gpt2", tokenizer="gpt2")], train=TrainSection(steps=20))
+    cfg = Trainer(typed, objective={"kind": "grpo", "kl_coef": 0.01}).config  # the RunConfig's objective: sgt
+    assert (cfg.objective.kind, cfg.objective.kl_coef, cfg.train.steps) == ("grpo", 0.01, 20)
+    assert "ignoring the RunConfig given's objective lambda" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^Trainer\(objective=\{'kind': 'grpo', 'lambda': 0.2\}\): objective: "
+                                          r"unknown field lambda"):
+        Trainer(typed, objective={"kind": "grpo", "lambda": 0.2})  # a field the argument gives is still checked
+
+
 def test_bad_input_is_one_error_that_names_the_argument(tmp_path):
     with pytest.raises(ConfigError) as err:
         Trainer(SMOKE, train={"lr": "fast"})
