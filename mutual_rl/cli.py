@@ -49,8 +49,18 @@ def run_command(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, "run.memory_check=false"]  # as the config says it (config.toml keeps it)
     if args.ray:
         return _on_ray(args, "run")
-    return _on_this_machine(lambda node: new_run(load_run_config(args.config, args.overrides), args.run_dir,
-                                                 node=node)[0])
+    return _on_this_machine(lambda node: new_run(_checked(load_run_config(args.config, args.overrides)),
+                                                 args.run_dir, node=node)[0])
+
+
+def _checked(cfg):
+    """The config, its reward functions checked as a Trainer checks them when it is made (a dry call on a few
+    problems): a broken one is refused now, not in a generator minutes later."""
+    from mutual_rl.inputs import Inputs
+    from mutual_rl.reward_check import check_rewards
+
+    check_rewards(cfg, Inputs(None, None, None, None))
+    return cfg
 
 
 def resume_command(args: argparse.Namespace) -> int:

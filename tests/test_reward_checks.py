@@ -11,6 +11,8 @@ import importlib
 import json
 import math
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -158,6 +160,18 @@ def test_a_function_named_by_its_module_is_checked_against_the_configs_own_task(
     with pytest.raises(ConfigError, match='or set reward.nan = "abstain" to read NaN as None'):
         Trainer(SMOKE, reward={"funcs": ["user_rewards:nan"]})
     Trainer(SMOKE, reward={"funcs": ["user_rewards:silent"]})  # abstains: fine
+
+
+def test_launch_py_run_checks_the_configs_functions_as_a_trainer_does(user):
+    """``launch.py run`` refuses the function a Trainer refuses, in one line and before anything is written."""
+    _, path = user
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "run", "--config", str(SMOKE), "--run-dir",
+                           str(path.parent / "run"), "--set", 'reward.funcs=["task", "user_rewards:good"]'],
+                          cwd=path.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.startswith(f"error: reward.funcs: good ({path}:{_line(path, 'def good(')}) takes budget"), \
+        done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (path.parent / "run").exists()
 
 
 def test_a_bad_reward_nan_is_one_line_naming_the_argument():
