@@ -52,6 +52,13 @@ class ObjectiveBatch:
     # The engine derives it from the row's place in its group and the step, never from the batch's other
     # rows, so any split of a step draws what the whole batch draws. None -> drawn from the objective's rng.
     peer_draw: Tensor | None = None
+    # HACPO's (policies.hacpo): each peer row's length in its source's own tokens (its sequence ratio averages the
+    # source's log-probs over them; None: the bridged length), and each model's capability, its share of rewards > 0
+    # over its recent steps (the engine's window over whole steps, so every split of a step reads the same; None:
+    # this batch's own share)
+    peer_source_len: Tensor | None = None  # (P,) long
+    own_capability: float | None = None
+    peer_capability: Tensor | None = None  # (P,) the capability of each peer row's source model
     # A data-parallel step's denominators (policies.denominators): (site, this batch's count) -> the count
     # over the whole step's batch. None: this batch is the whole batch, as in one process.
     totals: Callable[[str, Tensor], Tensor] | None = None
@@ -148,7 +155,8 @@ class ObjectiveBatch:
             value = getattr(self, name)
             if tuple(value.shape) != (P, T2):
                 raise ValueError(f"ObjectiveBatch.{name} has shape {tuple(value.shape)}, expected ({P}, {T2}) like peer_logp")
-        for name in ("peer_rewards", "peer_group", "peer_verified", "peer_residual", "peer_staleness", "peer_draw"):
+        for name in ("peer_rewards", "peer_group", "peer_verified", "peer_residual", "peer_staleness", "peer_draw",
+                     "peer_source_len", "peer_capability"):
             if getattr(self, name) is not None:
                 _check_rows(name, getattr(self, name), P, "peer_logp")
         if self.num_groups < 0:

@@ -35,8 +35,8 @@ from policies.batch import ObjectiveBatch
 from policies.registry import compute_loss
 
 # own: the receiver's own tokens (rows for seq_mean); kl: the KL term's; pooled: own + peer tokens (PRP);
-# rescued: SGT's rescue groups.
-SITES = ("own", "kl", "pooled", "rescued")
+# rescued: SGT's rescue groups; rows: own + peer rows with a token (HACPO's sequence mean).
+SITES = ("own", "kl", "pooled", "rescued", "rows")
 
 
 def local_counts(batch: ObjectiveBatch, config: msgspec.Struct, rng: torch.Generator) -> Tensor:

@@ -77,7 +77,42 @@ class SGTRefConfig(SGTConfig, tag="sgt_ref"):
     one correct answer, SGT cannot do better than this; what it does beyond this is what peers add."""
 
 
-ObjectiveConfig = Union[GRPOConfig, XGRPOConfig, PRPConfig, SGTConfig, SGTRefConfig]
+class HACPOConfig(SurrogateConfig, tag="hacpo"):
+    """HACPO (arXiv 2603.02604, its verl recipe): every peer sample joins the group; a capability-weighted
+    baseline; own samples under GSPO's sequence ratio, peer samples under its exponentially weighted, stepwise
+    clipped cross ratio times the capability discrepancy (policies/hacpo.py). The defaults are the recipe's: here
+    eps_low / eps_high are the own ratio's clip, 3e-4 / 4e-4, and the aggregation is the sequence mean."""
+
+    eps_low: float = 3e-4  # the own (GSPO) sequence ratio's clip, below: the recipe's self_clip_low
+    eps_high: float = 4e-4  # and above: its self_clip_high
+    aggregation: Literal["seq_mean"] = "seq_mean"  # the recipe requires seq-mean-token-mean
+    alpha: float = 1.0  # the cross term is s_c * sg(s_c) ** alpha: gradient s_c ** (1 + alpha) * grad mean log pi
+    cross_clip_delta: float = 0.2  # the cross ratio is clipped to [min(1, 1 - delta + index * step), 1]
+    cross_clip_step: float = 0.025  # how far the bound moves up per mini-batch (index) of the update
+    cross_clip_index: int = 2  # the optimizer mini-batch the peers' update is: the recipe's first peer one is 2
+    max_abs_log_ratio: float = 10.0  # |mean log pi_target - mean log pi_source| clamped here
+    capability_window: int = 5  # a model's capability: its share of rewards > 0 over its last this many steps
+    capability_min: float = 0.1  # the capability ratio P_peer / P_own clipped to [min, max]
+    capability_max: float = 10.0  # so a peer's samples count between a tenth and ten times
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.alpha >= 0.0, "alpha", self.alpha, "must be >= 0")
+        _require(0.0 < self.cross_clip_delta <= 1.0, "cross_clip_delta", self.cross_clip_delta, "must be in (0, 1]")
+        _require(self.cross_clip_step >= 0.0, "cross_clip_step", self.cross_clip_step, "must be >= 0")
+        _require(self.cross_clip_index >= 0, "cross_clip_index", self.cross_clip_index, "must be >= 0")
+        _require(self.max_abs_log_ratio > 0.0, "max_abs_log_ratio", self.max_abs_log_ratio, "must be > 0")
+        _require(self.capability_window >= 1, "capability_window", self.capability_window, "must be >= 1")
+        _require(0.0 < self.capability_min <= 1.0 <= self.capability_max, "capability_min",
+                 (self.capability_min, self.capability_max), "and capability_max must satisfy 0 < min <= 1 <= max")
+
+    @property
+    def cross_clip_lower(self) -> float:
+        """The cross ratio's lower clip bound: min(1, 1 - delta + index * step) (0.85 with the defaults)."""
+        return min(1.0, 1.0 - self.cross_clip_delta + self.cross_clip_index * self.cross_clip_step)
+
+
+ObjectiveConfig = Union[GRPOConfig, XGRPOConfig, PRPConfig, SGTConfig, SGTRefConfig, HACPOConfig]
 
 
 def _require(ok: bool, field: str, value: object, rule: str) -> None:

@@ -18,6 +18,7 @@ from policies.advantages import grpo_advantages, group_moments, pooled_advantage
 from policies.batch import ObjectiveBatch
 from policies.objective_config import (
     GRPOConfig,
+    HACPOConfig,
     ObjectiveConfig,
     PRPConfig,
     SGTConfig,
@@ -28,6 +29,7 @@ from policies.objective_config import (
 from policies.registry import (Objective, PeerNeed, Stats, compute_loss, get_objective, objective_names, peer_need,
                                register_objective)
 from policies.surrogate import (
+    Fresh,
     aggregate,
     behaviour_weight,
     capped_weight,
@@ -35,27 +37,16 @@ from policies.surrogate import (
     k3_kl,
     masked_log_diff,
     masked_mean,
+    within_staleness,
 )
 
 __all__ = [
     "ObjectiveBatch", "ObjectiveConfig", "GRPOConfig", "XGRPOConfig", "PRPConfig", "SGTConfig", "SGTRefConfig",
+    "HACPOConfig",
     "Objective", "PeerNeed", "compute_loss", "register_objective", "get_objective", "objective_names", "peer_need",
     "select_peers",
     "grpo_objective", "xgrpo_objective", "prp_objective", "sgt_objective", "prp_weights",
 ]
-
-
-class Fresh(NamedTuple):
-    keep: Tensor  # (N,) bool, within the staleness bound
-    mask: Tensor  # (N, T) token mask with stale rows zeroed
-    dropped: int  # rows masked for staleness
-
-
-def _fresh(mask: Tensor, staleness: Tensor | None, max_staleness: int) -> Fresh:
-    if staleness is None:
-        return Fresh(torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device), mask, 0)
-    keep = staleness <= max_staleness
-    return Fresh(keep, mask * keep[:, None].to(mask.dtype), int((~keep).sum()))
 
 
 class OwnTerm(NamedTuple):
@@ -108,7 +99,7 @@ def _finish(pg: Tensor, kl: Tensor, config: SurrogateConfig, stats: Stats) -> tu
 @register_objective("grpo", GRPOConfig)
 def grpo_objective(*, batch: ObjectiveBatch, config: SurrogateConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """Solo GRPO: A_i from the receiver's own fresh rewards in group g_i; peers are ignored."""
-    fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
+    fresh = within_staleness(batch.mask, batch.staleness, config.max_staleness)
     adv = grpo_advantages(
         batch.rewards, batch.group, fresh.keep, batch.num_groups, config.std_normalise, config.adv_eps
     ).own
@@ -119,8 +110,8 @@ def grpo_objective(*, batch: ObjectiveBatch, config: SurrogateConfig, rng: torch
 @register_objective("xgrpo", XGRPOConfig, peers="rewards")
 def xgrpo_objective(*, batch: ObjectiveBatch, config: XGRPOConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """XGRPO: own tokens only; baseline/scale of group g over own + peer rewards on g (peer scalars only)."""
-    fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
-    peer = _fresh(batch.peer_mask, batch.peer_staleness, config.max_staleness)
+    fresh = within_staleness(batch.mask, batch.staleness, config.max_staleness)
+    peer = within_staleness(batch.peer_mask, batch.peer_staleness, config.max_staleness)
     adv = pooled_advantages(
         batch.rewards, batch.group, fresh.keep, batch.peer_rewards, batch.peer_group, peer.keep,
         batch.num_groups, config.std_normalise, config.adv_eps, leave_own_out=config.leave_own_out,
@@ -181,8 +172,8 @@ def prp_weights(
 @register_objective("prp", PRPConfig, peers="samples")
 def prp_objective(*, batch: ObjectiveBatch, config: PRPConfig, rng: torch.Generator) -> tuple[Tensor, Stats]:
     """PRP: peer samples join the receiver's group; pooled advantages; peer tokens weighted by w."""
-    fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
-    peer = _fresh(batch.peer_mask, batch.peer_staleness, config.max_staleness)
+    fresh = within_staleness(batch.mask, batch.staleness, config.max_staleness)
+    peer = within_staleness(batch.peer_mask, batch.peer_staleness, config.max_staleness)
     adv = pooled_advantages(
         batch.rewards, batch.group, fresh.keep, batch.peer_rewards, batch.peer_group, peer.keep,
         batch.num_groups, config.std_normalise, config.adv_eps,
@@ -220,8 +211,8 @@ def sgt_objective(*, batch: ObjectiveBatch, config: SGTConfig, rng: torch.Genera
 
     ``sgt_ref`` is the same loss; the engine fills the peer slots with the task's reference solutions."""
     loss, stats = grpo_objective(batch=batch, config=config, rng=rng)
-    fresh = _fresh(batch.mask, batch.staleness, config.max_staleness)
-    peer = _fresh(batch.peer_mask, batch.peer_staleness, config.max_staleness)
+    fresh = within_staleness(batch.mask, batch.staleness, config.max_staleness)
+    peer = within_staleness(batch.peer_mask, batch.peer_staleness, config.max_staleness)
     Q = batch.num_groups
     own = group_moments(batch.verified.float(), batch.group, fresh.keep, Q)  # mean = success rate
     own_failed = (own.count > 0) & (own.mean == 0)  # (Q,) every fresh own sample failed

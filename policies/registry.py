@@ -42,8 +42,8 @@ F = TypeVar("F", bound=Objective)
 _REGISTRY: dict[str, tuple[type[msgspec.Struct], Objective]] = {}
 _PEERS: dict[str, PeerNeed] = {}
 
-# Importing this module registers the built-in objectives (grpo, xgrpo, prp, sgt).
-_BUILTINS = "policies.objectives"
+# Importing these modules registers the built-in objectives (grpo, xgrpo, prp, sgt, sgt_ref; hacpo).
+_BUILTINS = ("policies.objectives", "policies.hacpo")  # the modules that register the built-in objectives
 
 
 def register_objective(name: str, config_type: type[msgspec.Struct], peers: PeerNeed = "none") -> Callable[[F], F]:
@@ -62,15 +62,20 @@ def register_objective(name: str, config_type: type[msgspec.Struct], peers: Peer
     return decorate
 
 
+def _import_builtins() -> None:
+    for module in _BUILTINS:
+        importlib.import_module(module)
+
+
 def objective_names() -> list[str]:
     """Names of every registered objective, sorted."""
-    importlib.import_module(_BUILTINS)
+    _import_builtins()
     return sorted(_REGISTRY)
 
 
 def get_objective(name: str) -> tuple[type[msgspec.Struct], Objective]:
     """(config type, function) registered under ``name``; the error lists what exists."""
-    importlib.import_module(_BUILTINS)
+    _import_builtins()
     if name not in _REGISTRY:
         raise KeyError(f"unknown objective {name!r}; registered objectives: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]

@@ -32,6 +32,20 @@ class TokenLoss(NamedTuple):
     clipped: Tensor  # (B, T) bool, the clipped branch is the active one (its gradient is 0)
 
 
+class Fresh(NamedTuple):
+    keep: Tensor  # (N,) bool, within the staleness bound
+    mask: Tensor  # (N, T) token mask with stale rows zeroed
+    dropped: int  # rows masked for staleness
+
+
+def within_staleness(mask: Tensor, staleness: Tensor | None, max_staleness: int) -> Fresh:
+    """The rows within ``max_staleness`` (every row when ``staleness`` is None), their mask, and how many left."""
+    if staleness is None:
+        return Fresh(torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device), mask, 0)
+    keep = staleness <= max_staleness
+    return Fresh(keep, mask * keep[:, None].to(mask.dtype), int((~keep).sum()))
+
+
 def masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
     """log(num / den) on masked tokens, 0 elsewhere, clamped; gradient flows through ``num`` and ``den``."""
     diff = torch.where(mask > 0, num - den, torch.zeros_like(num))

@@ -54,7 +54,7 @@ def test_overrides_reach_nested_and_list_fields():
         ("[train]\nlr = 'fast'\n", "train.lr: expected float, got str"),
         ("[train]\nlearning_rate = 0.1\n", "unknown field learning_rate"),
         ("[train]\nlrr = 0.1\n", "train: unknown field lrr (did you mean lr?)"),
-        ("[objective]\nkind = 'ppo'\n", "objective.kind: unknown kind 'ppo'; known: grpo, prp, sgt, sgt_ref, xgrpo"),
+        ("[objective]\nkind = 'ppo'\n", "objective.kind: unknown kind 'ppo'; known: grpo, hacpo, prp, sgt, sgt_ref, xgrpo"),
         ("[[models]]\nname = 'a'\narch = 'rnn'\ntokenizer = 'gpt2'\n", "models.0.arch"),
         ("[[models]]\nname = 'a'\narch = 'lama'\ntokenizer = 'gpt2'\n",
          "models.0.arch: 'lama' is not a causal-LM model_type of the installed transformers (did you mean llama"),

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engine.record.rundir import free_port
 from engine.train import group as dp
 from engine.train.batching import OwnSample, PeerSample, build_batch
+from engine.train.capability import CapabilityWindow
 from engine.train.optim import adamw
 from engine.train.reference import Reference
 from engine.train.step import peers_for, train_share
@@ -36,6 +37,8 @@ CASES = {
     "prp": ({"kind": "prp"}, [0, 1, 2, 3]),
     "sgt": ({"kind": "sgt", "lambda": 0.5}, [0, 1, 2, 3]),
     "grpo_kl": ({"kind": "grpo", "kl_coef": 0.5}, [0, 1, 2, 3]),  # the KL's own denominator (a reference: _model)
+    # HACPO: its capability from the whole step (rank 0's prompts solve a quarter, rank 1's three of four)
+    "hacpo": ({"kind": "hacpo"}, [0, 1, 2, 3]),
     "grpo_empty_share": ({"kind": "grpo"}, [0]),
     "prp_empty_share": ({"kind": "prp"}, [0]),
 }
@@ -65,6 +68,8 @@ def _model(name: str = ""):
     state = dp.TrainState(model, adamw(model.parameters(), lr=LR), torch.Generator().manual_seed(0))
     if CASES.get(name, ({}, []))[0].get("kl_coef"):
         state.reference = Reference(_initial_model(seed=2)[0])  # away from the policy: the KL's gradient counts
+    if name == "hacpo":
+        state.capability = CapabilityWindow(5)
     return state, pad
 
 
@@ -76,7 +81,8 @@ def _data(name: str, vocab: int) -> dp.StepData:
     for p in prompts:
         n, count = (9, 4) if p % 2 == 0 else (2, 2)
         for i in range(count):
-            reward = float(p == 3 and i == 0) if name == "sgt" else float(i % 2)
+            reward = float(p == 3 and i == 0) if name == "sgt" else float(i == 1 or p == 3) if name == "hacpo" \
+                else float(i % 2)
             own.append(OwnSample(prompt_ids=rng.integers(0, vocab, 4), completion_ids=rng.integers(0, vocab, n),
                                  behaviour_logprobs=np.full(n, -2.0, np.float32), reward=reward,
                                  verified=reward > 0, weight_version=0, prompt_id=p))
@@ -174,7 +180,7 @@ def test_two_ranks_of_train_share_equal_one_rank_on_the_whole_batch(tmp_path) ->
         assert _relative_error(_old_scaling(name), want) > 1e-2, f"{name}: the shares must be unequal enough to tell"
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo_seq", "sgt", "prp", "grpo_kl"])
+@pytest.mark.parametrize("name", ["grpo", "grpo_seq", "sgt", "prp", "grpo_kl", "hacpo"])
 def test_micro_batches_of_one_rank_give_the_one_batch_update(name) -> None:
     """``train.grad_accum``: the share run as two pieces (prompts 0-1, then 2-3, of unequal token counts and
     rescue groups) accumulates the one-batch gradient, and its figures add up as the one batch's do."""

@@ -8,6 +8,7 @@ import torch
 from policies.advantages import grpo_advantages, pooled_advantages
 from policies.objectives import (
     GRPOConfig,
+    HACPOConfig,
     ObjectiveBatch,
     PRPConfig,
     SGTConfig,
@@ -18,7 +19,7 @@ from policies.objectives import (
 
 DT = torch.float64
 ALL_CONFIGS = [GRPOConfig(), XGRPOConfig(), XGRPOConfig(leave_own_out=True), PRPConfig(), PRPConfig(variant="token"),
-               PRPConfig(variant="length_norm", aggregation="seq_mean"), SGTConfig()]
+               PRPConfig(variant="length_norm", aggregation="seq_mean"), SGTConfig(), HACPOConfig()]
 
 
 def rng(seed: int = 0) -> torch.Generator:

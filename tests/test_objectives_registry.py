@@ -11,6 +11,7 @@ from policies.objective_config import SurrogateConfig
 from policies.objectives import (
     GRPOConfig,
     ObjectiveBatch,
+    HACPOConfig,
     ObjectiveConfig,
     PRPConfig,
     SGTConfig,
@@ -31,8 +32,8 @@ def solo_batch() -> ObjectiveBatch:
 
 
 def test_builtin_names_and_kinds():
-    assert objective_names() == ["grpo", "prp", "sgt", "sgt_ref", "xgrpo"]
-    for cfg in (GRPOConfig(), XGRPOConfig(), PRPConfig(), SGTConfig(), SGTRefConfig()):
+    assert objective_names() == ["grpo", "hacpo", "prp", "sgt", "sgt_ref", "xgrpo"]
+    for cfg in (GRPOConfig(), XGRPOConfig(), PRPConfig(), SGTConfig(), SGTRefConfig(), HACPOConfig()):
         assert get_objective(cfg.kind)[0] is type(cfg)
 
 
@@ -42,7 +43,7 @@ def test_duplicate_registration_is_refused():
 
 
 def test_unknown_name_lists_registered_ones():
-    with pytest.raises(KeyError, match="grpo, prp, sgt, sgt_ref, xgrpo"):
+    with pytest.raises(KeyError, match="grpo, hacpo, prp, sgt, sgt_ref, xgrpo"):
         get_objective("ppo")
 
 

@@ -20,6 +20,7 @@ from exchange.records import MetricsWriter
 from engine.record.tbevents import EventWriter
 from engine.train import checkpoint
 from engine.train import group as dp
+from engine.train.capability import CapabilityWindow
 from engine.train.ingest import Ingest
 from engine.train.optim import adamw
 from engine.train.reference import starting_reference
@@ -74,6 +75,8 @@ class LearnerCore:
         # a CPU generator on any device: its state is what sync_state broadcasts and state_digest hashes
         rng = torch.Generator().manual_seed(cfg.run.seed * 1000 + cfg.names.index(model))
         self.state = dp.TrainState(self.module, optimizer, rng)
+        if cfg.objective.kind == "hacpo":  # its capability window over whole steps (engine.train.capability)
+            self.state.capability = CapabilityWindow(cfg.objective.capability_window)
         if cfg.objective.kl_coef > 0:  # the starting weights: the warm start, also when a checkpoint is resumed below
             warm = worker.plan.warm_checkpoints[model]
             self.state.reference = starting_reference(self.module, lambda: build_policy(model_spec(self.spec, warm),

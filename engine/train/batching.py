@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from engine.train.capability import Capability
 from engine.train.reference import Reference
 from policies.batch import ObjectiveBatch
 from policies.logprobs import Packed, completion_logprobs, model_device, pack
@@ -61,6 +62,7 @@ class PeerSample(msgspec.Struct, array_like=True):
     reward: float
     verified: bool
     weight_version: int
+    source_tokens: int = 0  # its length in the source's own tokens (HACPO averages the source's log-probs over them)
 
     def scalars_only(self) -> PeerSample:
         """The same sample without its tokens: for objectives that read only the reward."""
@@ -78,14 +80,19 @@ def build_batch(
     pad_id: int,
     peer_version: dict[str, int] | None = None,
     reference: Reference | None = None,
+    capability: Capability | None = None,
 ) -> ObjectiveBatch:
     """The ObjectiveBatch of one learner step, on ``model``'s device (every path that trains, the sharded one
     too, takes it from here); group index = position of the prompt in ``prompt_order``.
 
     ``reference`` (``objective.kl_coef > 0``) gives ``ref_logp``: its log-probs of the own samples, from one
     forward shaped as the policy's. ``model`` None runs no forward: log-probs (the reference's too) are
-    zeros, a CPU batch for counting denominators only (``policies.denominators.local_counts``)."""
+    zeros, a CPU batch for counting denominators only (``policies.denominators.local_counts``). ``capability``
+    (HACPO's, from ``engine.train.capability``) gives each model's capability to the batch."""
     batch = _host_batch(model, own, peers, prompt_order, learner_version, pad_id, peer_version, reference)
+    if capability is not None:
+        batch.own_capability = capability.own
+        batch.peer_capability = torch.tensor([capability.peers.get(p.model, 1.0) for p in peers], dtype=torch.float32)
     return batch if model is None else batch.to(model_device(model))
 
 
@@ -131,6 +138,7 @@ def _host_batch(model, own: list[OwnSample], peers: list[PeerSample], prompt_ord
             [max(versions.get(p.model, p.weight_version) - p.weight_version, 0) for p in peers], dtype=torch.long
         ),
         peer_draw=draw_keys(peers, learner_version),
+        peer_source_len=torch.tensor([p.source_tokens or len(p.completion_ids) for p in peers], dtype=torch.long),
     )
 
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from engine.train.batching import OwnSample, PeerSample
+from engine.train.capability import CapabilityWindow
 from engine.train.reference import Reference
 
 STEP, TICK, REGROUP, STOP = 0, 1, 2, 3
@@ -60,6 +61,8 @@ class TrainState:
     # the KL term's frozen starting policy (objective.kl_coef > 0): the same on every rank, built by each from
     # the run's warm start, so never synced or hashed
     reference: Reference | None = None
+    # HACPO's capability window (objective.kind = "hacpo"): each rank's, updated once a step with the whole step
+    capability: CapabilityWindow | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:

@@ -115,6 +115,7 @@ class Ingest:
             behaviour_logprobs=np.asarray(bridged.dst_logprobs, dtype=np.float32),
             align=np.asarray(bridged.dst_group, dtype=np.int64), residual=float(bridged.residual),
             reward=exp.reward, verified=exp.verified, weight_version=exp.weight_version,
+            source_tokens=len(exp.logprob_array),
         ))
 
     def _prompt(self, prompt_id: int) -> np.ndarray:

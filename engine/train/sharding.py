@@ -95,6 +95,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
     done = []
     pieces = micro_batches(data.prompts[rank::world], accum)
     totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id)  # a collective: every rank
+    capability = state.capability.update(own, peers) if state.capability is not None else None  # HACPO's
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         state.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last piece
@@ -104,7 +105,7 @@ def sharded_step(state: dp.TrainState, data: dp.StepData, own, peers, rank: int,
         # Agreed before any forward runs (each forward is a sequence of all-gathers every rank must join);
         # the last piece runs one somewhere, since its backward is what reduce-scatters the gradients.
         most = _most_forwards(forwards, at_least=int(last))
-        loss, piece_stats = _piece_loss(state, data, own_p, peers_p, piece, pad_id, objective, totals)
+        loss, piece_stats = _piece_loss(state, data, own_p, peers_p, piece, pad_id, objective, totals, capability)
         loss = loss + _padding_forwards(state.model, most - forwards, pad_id)
         if loss.requires_grad:
             loss.backward()
@@ -125,11 +126,12 @@ def _plain(value: torch.Tensor) -> float:
 
 
 def _piece_loss(state: dp.TrainState, data: dp.StepData, own, peers, piece: list[int], pad_id: int, objective,
-                totals):
+                totals, capability=None):
     """The piece's numerator over the step's denominators (``totals``), and its stats."""
     if not piece:
         return torch.zeros(()), {}
-    batch = build_batch(state.model, own, peers, piece, state.version, pad_id, data.peer_version)
+    batch = build_batch(state.model, own, peers, piece, state.version, pad_id, data.peer_version,
+                        capability=capability)
     batch.totals = totals
     return compute_loss(batch, objective, state.rng)
 
@@ -187,7 +189,7 @@ class ShardedTwin:
                 optimizer.state[q] = {"step": s["step"].clone(),
                                       "exp_avg": distribute_tensor(s["exp_avg"], mesh, q.placements),
                                       "exp_avg_sq": distribute_tensor(s["exp_avg_sq"], mesh, q.placements)}
-        self.twin = dp.TrainState(model, optimizer, state.rng, state.version)
+        self.twin = dp.TrainState(model, optimizer, state.rng, state.version, capability=state.capability)
         state.optimizer.state.clear()
         if not leader:
             for p, _ in self.pairs:

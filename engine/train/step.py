@@ -107,13 +107,16 @@ def train_share(state: dp.TrainState, data: dp.StepData, own, peers, rank: int, 
     # one piece on one rank divides by its own counts (None); otherwise every piece by the step's
     totals = step_totals(state, data, own, peers, pieces, world, objective, pad_id) \
         if world > 1 or len(pieces) > 1 else None
+    # HACPO's capabilities: from the whole step (every rank has it), so every piece reads the same
+    capability = state.capability.update(own, peers) if state.capability is not None else None
     done, samples = [], 0
     sparse = sparse_input_embedding(state.model)
     for piece in (p for p in pieces if p):
         mine = set(piece)
         own_p = [s for s in own if s.prompt_id in mine]
         batch = build_batch(state.model, own_p, [p for p in peers if p.prompt_id in mine], piece, state.version,
-                            pad_id, data.peer_version, reference=state.reference)  # ref_logp when kl_coef > 0
+                            pad_id, data.peer_version, reference=state.reference,  # ref_logp when kl_coef > 0
+                            capability=capability)
         batch.totals = totals
         loss, stats = compute_loss(batch, objective, state.rng)
         dense_grads(sparse)
