@@ -55,7 +55,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import emit
+from benchmarks import emit, git_commit
 from benchmarks.memory_parts import child_main, in_child, measure_runtime
 from benchmarks.smaps import EVERY_S, MIB, PARTS, RunRoles, Sample, TreeMemory
 from exchange.records import read_records
@@ -199,13 +199,6 @@ def breakdown(roles: dict[str, dict], parts: dict) -> dict[str, dict[str, float]
                **state, "private_rest": each["private"] - sum(state.values())}
         out[role] = {"processes": n, **{k: round(v / MIB, 1) for k, v in row.items()}}
     return out
-
-
-def git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + ("+local-changes" if dirty else "")
 
 
 def by_component(rows: dict[str, dict]) -> dict[str, float]:

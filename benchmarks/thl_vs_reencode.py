@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import emit
+from benchmarks import emit, git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 CAP = 2.0  # PRP's default ratio_cap
@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     models = [(m, *loaded(m, cfg)) for m in cfg.models]
     exps = {m.name: sampled(m, cfg, task, tok, model, args.prompts, args.samples) for m, _, tok, model in models}
-    result: dict = dict(benchmark="thl_vs_reencode", config=str(args.config), prompts=args.prompts,
+    shown = args.config.resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
+    result: dict = dict(benchmark="thl_vs_reencode", commit=git_commit(), config=str(shown), prompts=args.prompts,
                         samples=args.samples, cap=CAP, hacpo_clip=[0.85, 1.0], directions={})
     for src, dst in ((models[0], models[1]), (models[1], models[0])):
         peers = received(dst, src, cfg, task, exps[src[0].name], args.samples)

@@ -61,7 +61,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from benchmarks import emit
+from benchmarks import emit, git_commit
 
 import tomli_w
 
@@ -335,13 +335,6 @@ def run_seed(tree: dict, workdir: Path, only: str | None, threads: int, scorer: 
         result["samples_per_s_ratio"] = p["samples_per_s"] / t["samples_per_s"]
         result["pss_ratio"] = p["peak_pss_gib"] / t["peak_pss_gib"] if t["peak_pss_gib"] > 0 else None
     return result
-
-
-def git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + ("+local-changes" if dirty else "")
 
 
 def seed_list(text: str) -> list[int]:
