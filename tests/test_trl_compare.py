@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import tomli_w
 
-from benchmarks.trl_compare import interval, solo_tree, summary, t975
+from benchmarks.trl_compare import solo_tree
+from benchmarks.trl_seeds import interval, summary, t975
 from benchmarks.trl_side import trl_args, trl_prompt
 from tests.realtok import load_test_tokenizer
 
