@@ -11,9 +11,9 @@ import time
 import zmq
 
 from exchange.codec import DEFAULT_MAX_FRAME_BYTES, Decoder, Encoder
-from exchange.link import REFUSAL_CHECK_S, LinkWatch, next_token
+from exchange.link import REFUSAL_CHECK_S, dealer_socket, next_token
 from exchange.protocol import SCHEMA_VERSION, Message, Sync, Synced
-from exchange.security import ClientKeys, apply_client
+from exchange.security import ClientKeys
 
 
 class BlockingPublisher:
@@ -31,13 +31,8 @@ class BlockingPublisher:
         self.max_batch = max_batch
         self._encoder = Encoder(max_frame_bytes)
         self._decoder = Decoder((Synced,))
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        apply_client(self._sock, curve)
         self._curve = curve is not None
-        self._link = LinkWatch(self._sock, endpoint, curve=self._curve)
-        self._sock.connect(endpoint)
+        self._sock, self._link = dealer_socket(context or zmq.Context.instance(), endpoint, hwm_frames, curve)
         self._buf: list[bytes] = []
         self._drops_when_unconfirmed: int | None = None  # the link's drop count when the first unconfirmed frame left
 

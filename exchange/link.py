@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from exchange.security import KeyRefused
+from exchange.security import ClientKeys, KeyRefused, apply_client
 
 REFUSAL_CHECK_S = 0.2  # how often a CURVE client waiting on the broker looks for a refusal of its key
 _watch_ids = itertools.count()
@@ -72,6 +72,19 @@ class LinkWatch:
 
     def close(self) -> None:
         self._events.close(linger=0)
+
+
+def dealer_socket(context: zmq.Context, endpoint: str, hwm_frames: int,
+                  curve: ClientKeys | None) -> tuple[zmq.Socket, LinkWatch]:
+    """A publisher's DEALER socket to the broker at ``endpoint``, connected, with its ``LinkWatch`` attached first
+    (drops and, with CURVE, refusals); sends wait at ``hwm_frames``, a close drops what is unsent."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, hwm_frames)
+    sock.setsockopt(zmq.LINGER, 0)
+    apply_client(sock, curve)
+    link = LinkWatch(sock, endpoint, curve=curve is not None)
+    sock.connect(endpoint)
+    return sock, link
 
 
 async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = True) -> list:

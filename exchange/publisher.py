@@ -30,9 +30,9 @@ import zmq
 import zmq.asyncio
 
 from exchange.codec import DEFAULT_MAX_FRAME_BYTES, Decoder, Encoder
-from exchange.link import REFUSAL_CHECK_S, LinkWatch, next_token
+from exchange.link import REFUSAL_CHECK_S, dealer_socket, next_token
 from exchange.protocol import SCHEMA_VERSION, Message, Sync, Synced
-from exchange.security import ClientKeys, apply_client
+from exchange.security import ClientKeys
 
 
 class Backpressure(RuntimeError):
@@ -69,14 +69,9 @@ class Publisher:
         self.max_batch_bytes = min(max_batch_bytes, max_frame_bytes)
         self._encoder = Encoder(max_frame_bytes)
         self._decoder = Decoder((Synced,))
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.SNDHWM, hwm_frames)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        apply_client(self._sock, curve)
         self._curve = curve is not None
         # drops; with CURVE, a refusal raises KeyRefused
-        self._link = LinkWatch(self._sock, endpoint, curve=self._curve)
-        self._sock.connect(endpoint)
+        self._sock, self._link = dealer_socket(context or zmq.asyncio.Context.instance(), endpoint, hwm_frames, curve)
         self._buf: list[bytes] = []
         self._buf_bytes = 0
         self._drainer: asyncio.Task | None = None

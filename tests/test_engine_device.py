@@ -77,7 +77,7 @@ def test_batch_to_keeps_values_and_moves_every_tensor_field(tiny):
     batch = build_batch(model, own, peers, [0, 1], 1, pad, {"peer": 1})
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     tensors = {k for k, v in fields.items() if isinstance(v, torch.Tensor)}
-    assert len(tensors) == 17 and fields["prox_logp"] is None and fields["ref_logp"] is None
+    assert len(tensors) == 18 and fields["prox_logp"] is None and fields["ref_logp"] is None
 
     assert model_device(model) == torch.device("cpu")
     same = batch.to(model_device(model))  # cpu -> cpu: the very same tensors, graph included
@@ -90,10 +90,12 @@ def test_batch_to_keeps_values_and_moves_every_tensor_field(tiny):
                for k in tensors)
     assert moved.logp.requires_grad and moved.num_groups == 2 and moved.prox_logp is None
     assert all(v.device.type == "cpu" for k, v in fields.items() if k in tensors)  # the original is untouched
-    full = dataclasses.replace(batch, prox_logp=batch.logp.detach(), ref_logp=batch.logp.detach() - 1.0)
-    moved = full.to("meta")  # the optional fields too, when they are set: all 19
+    full = dataclasses.replace(batch, prox_logp=batch.logp.detach(), ref_logp=batch.logp.detach() - 1.0,
+                               peer_capability=batch.peer_rewards.clone())
+    moved = full.to("meta")  # the optional fields too, when they are set: all 21
     assert sum(getattr(moved, f.name).device.type == "meta" for f in dataclasses.fields(moved)
-               if f.name not in ("num_groups", "totals")) == 19  # totals: a function (policies.denominators)
+               if f.name not in ("num_groups", "totals", "own_capability")) == 21  # totals: a function
+    # (policies.denominators); own_capability: a float
 
     packed = pack([s.prompt_ids for s in own], [s.completion_ids for s in own], pad)
     assert all(t.device.type == "meta" for t in dataclasses.astuple(packed.to("meta")))
