@@ -197,3 +197,5 @@ def test_micro_batches_of_one_rank_give_the_one_batch_update(name) -> None:
         assert figures[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     if name == "sgt":
         assert figures["obj/rescue_set_size"] == whole["obj/rescue_set_size"] == 3.0
+    if name == "hacpo":  # a count over the pieces, not a piece's mean
+        assert figures["obj/peer_rows"] == whole["obj/peer_rows"] == 6.0

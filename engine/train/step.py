@@ -70,7 +70,7 @@ def micro_batches(share: list[int], accum: int) -> list[list[int]]:
 
 # Piece figures that add up to the step's: its loss terms (each piece's numerator over the step's denominators)
 # and counts; a figure named *_max is the largest piece's; any other is a mean, weighted by the piece's samples.
-_ADDED = ("loss", "pg_loss", "kl", "sgt_nll", "tokens", "peer_tokens")
+_ADDED = ("loss", "pg_loss", "kl", "sgt_nll", "tokens", "peer_tokens", "peer_rows")
 _ADDED_SUFFIXES = ("_dropped", "_groups", "_size")
 
 
