@@ -95,6 +95,8 @@ def figures(model, tok, peers: list) -> dict:
 
     from policies.logprobs import completion_logprobs, pack
     from policies.models import pad_token_id
+    from policies.hacpo import cross_log_ratio
+    from policies.objective_config import HACPOConfig
     from policies.objectives import prp_weights
 
     packed = pack([p.prompt_ids for p in peers], [p.completion_ids for p in peers], pad_token_id(tok))
@@ -115,10 +117,11 @@ def figures(model, tok, peers: list) -> dict:
         out[f"thl_{variant}"] = dict(w_var=float(units.var(unbiased=False)), w_mean=float(units.mean()),
                                      truncated_frac=float(truncated.double().mean()), tokens_entering=entered)
     log_seq = ((logp - behav) * mask).sum(dim=1)
-    log_x = (logp * mask).sum(dim=1) / n_dst.clamp(min=1) - (behav * mask).sum(dim=1) / n_src.clamp(min=1)
-    x = log_x.clamp(-10, 10).exp()
+    hacpo = HACPOConfig()
+    log_x = cross_log_ratio(logp, behav, mask, n_src, hacpo.max_abs_log_ratio)
+    x = log_x.exp()
     w = x.clamp(max=CAP)
-    inside = (x >= 0.85) & (x <= 1.0)
+    inside = (x >= hacpo.cross_clip_lower) & (x <= 1.0)
     out["reencode_prp"] = dict(w_var=float(w.var(unbiased=False)), w_mean=float(w.mean()),
                                truncated_frac=float((x > CAP).double().mean()),
                                tokens_entering=float((n_dst * (w >= FLOOR)).sum() / n_dst.sum()))

@@ -43,6 +43,7 @@ Inferred or adapted here (the recipe is synchronous, with four mini-batches a st
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ from torch import Tensor
 from policies.batch import ObjectiveBatch
 from policies.objective_config import HACPOConfig
 from policies.registry import Stats, register_objective
-from policies.surrogate import Fresh, aggregate, k3_kl, masked_log_diff, within_staleness
+from policies.surrogate import Fresh, aggregate, k3_kl, within_staleness
 
 CAPABILITY_FLOOR = 1e-8  # the recipe's floor: a model with no success in its window still divides
 
@@ -114,7 +115,15 @@ def hacpo_advantages(batch: ObjectiveBatch, config: HACPOConfig, keep: Tensor, p
 
 
 def _seq_mean(values: Tensor, mask: Tensor, lengths: Tensor) -> Tensor:
-    return masked_log_diff(values, torch.zeros_like(values), mask).sum(dim=1) / lengths.clamp(min=1.0)
+    return torch.where(mask > 0, values, torch.zeros_like(values)).sum(dim=1) / lengths.clamp(min=1.0)
+
+
+def cross_log_ratio(recv_logp: Tensor, source_logp: Tensor, mask: Tensor, source_len: Tensor, bound: float) -> Tensor:
+    """(P,) log of HACPO's re-encoded ratio: the receiver's mean log-prob over its own tokens minus the source's
+    over the source's ``source_len`` tokens (``source_logp``: THL's aligned copy, whose sum is the source's),
+    clamped to +-``bound``."""
+    return (_seq_mean(recv_logp, mask, mask.sum(dim=1))
+            - _seq_mean(source_logp.detach(), mask, source_len.to(mask.dtype))).clamp(-bound, bound)
 
 
 @register_objective("hacpo", HACPOConfig, peers="samples")
@@ -133,15 +142,14 @@ def hacpo_objective(*, batch: ObjectiveBatch, config: HACPOConfig, rng: torch.Ge
     log_s = _seq_mean(batch.logp - prox.detach(), fresh.mask, own_len).clamp(-bound, bound)
     s = log_s.exp()
     log_iw = _seq_mean((prox - batch.behav_logp).detach(), fresh.mask, own_len)
-    iw_truncated = log_iw > torch.log(torch.tensor(config.behav_weight_cap, dtype=log_iw.dtype))
+    iw_truncated = log_iw > math.log(config.behav_weight_cap)
     iw = log_iw.clamp(max=bound).exp().clamp(max=config.behav_weight_cap)
     a_own = adv.own.detach()
     own_obj = iw * torch.minimum(s * a_own, s.clamp(1.0 - config.eps_low, 1.0 + config.eps_high) * a_own)
 
     # peers: the receiver's per-token mean over its tokens against the source's over the source's own tokens
-    source_len = batch.peer_source_len.to(peer_len.dtype) if batch.peer_source_len is not None else peer_len
-    log_x = (_seq_mean(batch.peer_logp, peer.mask, peer_len)
-             - _seq_mean(batch.peer_behav_logp.detach(), peer.mask, source_len)).clamp(-bound, bound)
+    source_len = batch.peer_source_len if batch.peer_source_len is not None else peer_len
+    log_x = cross_log_ratio(batch.peer_logp, batch.peer_behav_logp, peer.mask, source_len, bound)
     lower = config.cross_clip_lower
     x = log_x.exp()
     x_c = x.clamp(lower, 1.0)  # a clamp: outside [lower, 1] the peer row has no gradient
